@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Idempotent fresh-machine setup shared by run_train.sh and run_tests.sh.
+#
+# Creates .venv if absent and installs the project editable with its test extras.
+# torch is installed first and then frozen with a constraint, so that no later
+# requirement can swap it: on a machine without an NVIDIA GPU that is the CPU build
+# of torch 2.13.0 (plus triton 3.9.0, which torchtitan imports); on a CUDA machine
+# the CUDA torch already present (>= 2.13) is kept and everything is installed around it.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${DMUON_VENV:-$ROOT/.venv}"
+PY="$VENV/bin/python"
+STAMP="$VENV/.dmuon-setup-stamp"
+TORCH_CPU_VERSION="2.13.0"
+TRITON_CPU_VERSION="3.9.0"
+
+log() { echo "[setup] $*" >&2; }
+
+# Re-run only when the project's dependency list changed since the last setup.
+want_stamp="$(sha256sum "$ROOT/pyproject.toml" "$ROOT/scripts/setup.sh" | sha256sum | cut -d' ' -f1)"
+if [[ -x "$PY" && -f "$STAMP" && "$(cat "$STAMP")" == "$want_stamp" ]]; then
+  exit 0
+fi
+
+if [[ ! -x "$PY" ]]; then
+  # A venv that may see the system site-packages is the only way to keep a CUDA torch
+  # that a GPU image ships; on CPU machines the venv is isolated.
+  if command -v nvidia-smi >/dev/null 2>&1 && python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+    log "creating $VENV with access to the system CUDA torch"
+    python3 -m venv --system-site-packages "$VENV"
+  else
+    log "creating $VENV"
+    python3 -m venv "$VENV"
+  fi
+fi
+PIP=("$PY" -m pip --disable-pip-version-check -q)
+
+installed_torch="$("$PY" -c 'import torch; print(torch.__version__)' 2>/dev/null || true)"
+has_gpu=0
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then has_gpu=1; fi
+
+if [[ "$has_gpu" == 1 && -n "$installed_torch" && "$installed_torch" != *+cpu* ]]; then
+  log "keeping CUDA torch $installed_torch"
+elif [[ "$has_gpu" == 1 ]]; then
+  log "NVIDIA GPU found and no CUDA torch present: installing torch>=2.13 from the index"
+  "${PIP[@]}" install "torch>=2.13,<2.15"
+else
+  if [[ "$installed_torch" != "$TORCH_CPU_VERSION"* ]]; then
+    log "installing CPU torch $TORCH_CPU_VERSION"
+    "${PIP[@]}" install "torch==$TORCH_CPU_VERSION"
+  fi
+  "${PIP[@]}" install "triton==$TRITON_CPU_VERSION"
+fi
+
+torch_now="$("$PY" -c 'import torch; print(torch.__version__)')"
+case "$torch_now" in
+  2.13.*|2.14.*) ;;
+  *) echo "[setup] torch $torch_now is not supported (need 2.13 or 2.14)" >&2; exit 1 ;;
+esac
+constraints="$(mktemp)"
+trap 'rm -f "$constraints"' EXIT
+echo "torch==$torch_now" >"$constraints"
+
+log "installing torchtitan-dmuon (editable) with test and bench extras around torch $torch_now"
+"${PIP[@]}" install -c "$constraints" -e "$ROOT[test,bench]"
+
+echo "$want_stamp" >"$STAMP"
+log "done"

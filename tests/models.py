@@ -1,0 +1,60 @@
+"""A tiny transformer with "proj" matrices, shared by the tests."""
+
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.q_proj = nn.Linear(dim, dim, bias=False)
+        self.k_proj = nn.Linear(dim, dim, bias=False)
+        self.v_proj = nn.Linear(dim, dim, bias=False)
+        self.o_proj = nn.Linear(dim, dim, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
+        att = torch.softmax(q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5, dim=-1)
+        x = x + self.o_proj(att @ v)
+        return x + self.down_proj(torch.relu(self.up_proj(self.norm(x))))
+
+
+class TinyTransformer(nn.Module):
+    def __init__(self, vocab: int = 64, dim: int = 32, hidden: int = 64, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(Block(dim, hidden) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+def proj_predicate(name: str, param: nn.Parameter) -> bool:
+    return "proj" in name and param.ndim == 2
+
+
+def make_model(seed: int = 0, **kwargs) -> TinyTransformer:
+    torch.manual_seed(seed)
+    return TinyTransformer(**kwargs)
+
+
+def batch(
+    seed: int, batch_size: int = 4, seq: int = 8, vocab: int = 64
+) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (batch_size, seq + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def loss_fn(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = model(inputs)
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))

@@ -1,0 +1,157 @@
+"""The Muon optimizer in one process, against torch.optim.Muon + torch.optim.AdamW."""
+
+import copy
+
+import pytest
+import torch
+
+from tests.models import batch, loss_fn, make_model, proj_predicate
+from torchtitan_dmuon import Muon
+
+
+def _reference_optimizers(model, predicate, muon_kwargs, adamw_kwargs):
+    muon = [p for n, p in model.named_parameters() if predicate(n, p)]
+    muon_ids = {id(p) for p in muon}
+    rest = [p for p in model.parameters() if id(p) not in muon_ids]
+    return [torch.optim.Muon(muon, **muon_kwargs), torch.optim.AdamW(rest, **adamw_kwargs)]
+
+
+def _train(model, optimizers, steps, seed0=100):
+    losses = []
+    for step in range(steps):
+        loss = loss_fn(model, *batch(seed0 + step))
+        for opt in optimizers:
+            opt.zero_grad()
+        loss.backward()
+        for opt in optimizers:
+            opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("adjust_lr_fn", [None, "original", "match_rms_adamw"])
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_bit_equal_to_torch_muon_and_adamw(adjust_lr_fn, nesterov, weight_decay):
+    ours_model = make_model()
+    ref_model = copy.deepcopy(ours_model)
+    common = dict(
+        lr=0.02,
+        momentum=0.95,
+        nesterov=nesterov,
+        weight_decay=weight_decay,
+        adjust_lr_fn=adjust_lr_fn,
+    )
+    ours = Muon(
+        ours_model,
+        **common,
+        ns_coefficients="quintic",
+        adamw_lr=3e-3,
+        adamw_betas=(0.9, 0.95),
+        adamw_eps=1e-8,
+        adamw_weight_decay=0.01,
+        predicate=proj_predicate,
+    )
+    ref = _reference_optimizers(
+        ref_model,
+        proj_predicate,
+        dict(common, ns_steps=5),
+        dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01),
+    )
+    ours_losses = _train(ours_model, [ours], 10)
+    ref_losses = _train(ref_model, ref, 10)
+    assert ours_losses == ref_losses
+    for (name, p), q in zip(ours_model.named_parameters(), ref_model.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    assert ours.ns_matrices == 10 * 12  # 6 proj matrices x 2 layers, once per step
+
+
+def test_default_predicate_takes_every_matrix():
+    model = make_model()
+    opt = Muon(model)
+    matrices = [p for p in model.parameters() if p.ndim == 2]
+    assert opt.param_groups[0]["params"] == matrices
+    assert all(p.ndim != 2 for p in opt.param_groups[1]["params"])
+
+
+def test_lr_scheduler_drives_both_groups():
+    model = make_model()
+    opt = Muon(model, lr=0.02, adamw_lr=1e-3, predicate=proj_predicate)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5**step)
+    _train(model, [opt], 1)
+    sched.step()
+    sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.02 * 0.25)
+    assert opt.param_groups[1]["lr"] == pytest.approx(1e-3 * 0.25)
+    # The inner AdamW sees the scheduled lr (shared group dict).
+    assert opt._adamw.param_groups[0]["lr"] == opt.param_groups[1]["lr"]
+
+
+def test_state_dict_round_trip_continues_identically():
+    model = make_model()
+    opt = Muon(model, predicate=proj_predicate)
+    _train(model, [opt], 3)
+    saved_model = copy.deepcopy(model.state_dict())
+    saved_opt = copy.deepcopy(opt.state_dict())
+    expected = _train(model, [opt], 4, seed0=200)
+
+    model2 = make_model(seed=7)
+    model2.load_state_dict(saved_model)
+    opt2 = Muon(model2, predicate=proj_predicate)
+    opt2.load_state_dict(saved_opt)
+    assert _train(model2, [opt2], 4, seed0=200) == expected
+    states = opt2.state_dict()["state"]
+    assert sum("momentum_buffer" in s for s in states.values()) == 12
+    assert sum("exp_avg_sq" in s for s in states.values()) == len(opt2.param_groups[1]["params"])
+
+
+def test_step_hooks_run():
+    model = make_model()
+    opt = Muon(model, predicate=proj_predicate)
+    calls = []
+    opt.register_step_pre_hook(lambda o, a, k: calls.append("pre"))
+    opt.register_step_post_hook(lambda o, a, k: calls.append("post"))
+    _train(model, [opt], 1)
+    assert calls == ["pre", "post"]
+
+
+def test_polar_express_and_spectral_train():
+    model = make_model()
+    opt = Muon(
+        model,
+        ns_coefficients="polar_express",
+        adjust_lr_fn="spectral",
+        ns_dtype=torch.float32,
+        predicate=proj_predicate,
+    )
+    inputs, targets = batch(0)
+    losses = []
+    for _ in range(15):
+        opt.zero_grad()
+        loss = loss_fn(model, inputs, targets)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    # Memorizing one batch: the loss must fall well below its start.
+    assert losses[-1] < losses[0] * 0.7
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(lr=-1.0), "lr must be"),
+        (dict(momentum=1.0), "momentum must be"),
+        (dict(momentum=-0.1), "momentum must be"),
+        (dict(ns_steps=0), "ns_steps"),
+        (dict(ns_coefficients="cubic"), "unknown preset"),
+        (dict(adjust_lr_fn="rms"), "adjust_lr_fn"),
+        (dict(adamw_lr=-1e-3), "adamw_lr"),
+        (dict(ns_dtype=torch.int32), "ns_dtype"),
+        (dict(ns_backend="cuda_magic"), "ns_backend"),
+        (dict(replicate_async=True), "replicate_async"),
+        (dict(predicate=lambda n, p: "norm" in n), "'layers.0.norm.weight'"),
+    ],
+)
+def test_bad_arguments_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Muon(make_model(), **kwargs)

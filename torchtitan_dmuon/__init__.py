@@ -1,0 +1,28 @@
+"""torchtitan-dmuon: dedicated-ownership Muon for PyTorch FSDP2 / HSDP and TorchTitan.
+
+Each selected matrix parameter gets ONE owner rank, which keeps the full parameter and
+the momentum, receives the reduced gradient, runs Newton-Schulz alone and broadcasts the
+new value. Importing this package makes ``fully_shard`` skip dedicated parameters
+(``torchtitan_dmuon.engine.fsdp_patch.uninstall()`` undoes it).
+
+Layout: ``optim`` (the math, no torch.distributed), ``engine`` (ownership: partition,
+dedication, communication, hooks; no TorchTitan), ``optimizer`` (the ``Muon`` class).
+"""
+
+from torchtitan_dmuon.engine import clip_grad_norm_, dedicate_params, get_dedication
+from torchtitan_dmuon.engine.fsdp_patch import install as _install_fsdp_patch
+from torchtitan_dmuon.optimizer import Muon
+
+_install_fsdp_patch()
+
+
+def get_full_param(model, name: str):
+    """The full value of dedicated parameter ``name`` on every rank (a collective)."""
+    dedication = get_dedication(model)
+    if dedication is None:
+        raise ValueError("model was not prepared by dedicate_params")
+    return dedication.full_param(name)
+
+
+__all__ = ["Muon", "clip_grad_norm_", "dedicate_params", "get_dedication", "get_full_param"]
+__version__ = "0.1.0"

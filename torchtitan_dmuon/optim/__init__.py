@@ -1,0 +1,26 @@
+"""Optimizer math: Newton-Schulz, its backends and the functional Muon update.
+
+Nothing here imports ``torch.distributed``.
+"""
+
+from torchtitan_dmuon.optim.muon import adjusted_lr, muon_step
+from torchtitan_dmuon.optim.newton_schulz import (
+    NS_PRESETS,
+    NSSchedule,
+    newton_schulz,
+    ns_flops,
+    resolve_ns_schedule,
+)
+from torchtitan_dmuon.optim.ns_backends import NS_BACKENDS, get_ns_backend
+
+__all__ = [
+    "NS_BACKENDS",
+    "NS_PRESETS",
+    "NSSchedule",
+    "adjusted_lr",
+    "get_ns_backend",
+    "muon_step",
+    "newton_schulz",
+    "ns_flops",
+    "resolve_ns_schedule",
+]

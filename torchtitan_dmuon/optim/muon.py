@@ -1,0 +1,100 @@
+"""Functional core of the Muon update, following torch.optim.Muon's conventions.
+
+For each matrix parameter ``p`` with gradient ``g`` and momentum buffer ``buf``::
+
+    buf.lerp_(g, 1 - momentum)                        # EMA momentum
+    u = g.lerp(buf, momentum) if nesterov else buf    # Nesterov look-ahead
+    o = newton_schulz(u)                              # orthogonalize
+    p.mul_(1 - lr * weight_decay)                     # decoupled weight decay
+    p.add_(o, alpha=-adjusted_lr(lr, p.shape))
+
+Same-shape matrices are stacked and orthogonalized as one batch. This module does not
+import ``torch.distributed``: the ownership engine decides which matrices a rank steps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+
+import torch
+
+__all__ = ["ADJUST_LR_FNS", "adjusted_lr", "muon_step", "NSFunction"]
+
+ADJUST_LR_FNS = (None, "original", "match_rms_adamw", "spectral")
+"""Accepted values of ``adjust_lr_fn``."""
+
+NSFunction = Callable[[torch.Tensor], torch.Tensor]
+"""Orthogonalizes a 2-D matrix or a 3-D batch (see ``newton_schulz``)."""
+
+
+def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) -> float:
+    """Scale the learning rate for an ``A x B`` matrix (the last two dims of ``shape``).
+
+    ``None``/``"original"``: ``sqrt(max(1, A/B))`` (Keller Jordan's Muon);
+    ``"match_rms_adamw"``: ``0.2 * sqrt(max(A, B))`` (Moonshot, reuses AdamW's lr);
+    ``"spectral"``: ``sqrt(A/B)`` (spectral-norm scaling).
+    """
+    rows, cols = shape[-2], shape[-1]
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        ratio = math.sqrt(max(1, rows / cols))
+    elif adjust_lr_fn == "match_rms_adamw":
+        ratio = 0.2 * math.sqrt(max(rows, cols))
+    elif adjust_lr_fn == "spectral":
+        ratio = math.sqrt(rows / cols)
+    else:
+        raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
+    return lr * ratio
+
+
+@torch.no_grad()
+def muon_step(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    momentum_buffers: Sequence[torch.Tensor],
+    *,
+    lr: float,
+    weight_decay: float,
+    momentum: float,
+    nesterov: bool,
+    adjust_lr_fn: str | None,
+    ns: NSFunction,
+) -> int:
+    """Apply one Muon update to each matrix in ``params`` (in place).
+
+    Matrices of the same shape, dtype and device are orthogonalized as one batch.
+
+    Args:
+        params: Matrices to update.
+        grads: Their gradients (same order).
+        momentum_buffers: Their momentum buffers, updated in place.
+        lr: Learning rate before the shape adjustment.
+        weight_decay: Decoupled weight decay coefficient.
+        momentum: EMA momentum factor in ``[0, 1)``.
+        nesterov: Use the Nesterov look-ahead.
+        adjust_lr_fn: See :func:`adjusted_lr`.
+        ns: The orthogonalization to use (a backend with its schedule bound).
+
+    Returns:
+        The number of matrices orthogonalized (for accounting).
+    """
+    buckets: dict[tuple, list[int]] = defaultdict(list)
+    for i, p in enumerate(params):
+        buckets[(tuple(p.shape), p.dtype, p.device)].append(i)
+
+    for indices in buckets.values():
+        updates = []
+        for i in indices:
+            g, buf = grads[i], momentum_buffers[i]
+            buf.lerp_(g, 1 - momentum)
+            updates.append(g.lerp(buf, momentum) if nesterov else buf)
+        if len(updates) == 1:
+            orthogonal = [ns(updates[0])]
+        else:
+            orthogonal = ns(torch.stack(updates)).unbind(0)
+        for i, o in zip(indices, orthogonal, strict=True):
+            p = params[i]
+            p.mul_(1 - lr * weight_decay)
+            p.add_(o, alpha=-adjusted_lr(lr, adjust_lr_fn, p.shape))
+    return len(params)

@@ -1,0 +1,247 @@
+"""``Muon``: the user-facing optimizer, Muon for matrices and torch's AdamW for the rest.
+
+A thin :class:`torch.optim.Optimizer` over the functional core in
+:mod:`torchtitan_dmuon.optim.muon`. It takes the model, not a parameter list, because
+which parameters go to Muon is a property of the model: either the plan that
+:func:`torchtitan_dmuon.dedicate_params` attached to it (distributed: only the owner of
+a matrix steps it) or, in one process, an optional ``predicate(name, param)``.
+
+Two param groups: ``param_groups[0]`` holds the Muon matrices and ``param_groups[1]`` every
+other trainable parameter, stepped by an inner :class:`torch.optim.AdamW` that shares
+the group dict and the state, so LR schedulers, ``state_dict`` and ``load_state_dict``
+see one ordinary optimizer.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from torchtitan_dmuon.engine.dedication import get_dedication
+from torchtitan_dmuon.optim.muon import ADJUST_LR_FNS, muon_step
+from torchtitan_dmuon.optim.newton_schulz import EPS, resolve_ns_schedule
+from torchtitan_dmuon.optim.ns_backends import bind_ns, get_ns_backend
+
+__all__ = ["Muon"]
+
+logger = logging.getLogger(__name__)
+
+Predicate = Callable[[str, nn.Parameter], bool]
+
+
+def _check_range(name: str, value: float, low: float, high: float | None = None) -> None:
+    ok = value >= low and (high is None or value < high)
+    if not ok:
+        bound = f"[{low}, {high})" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be {bound}, got {value!r}")
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon for matrix parameters and AdamW for all others, on one model.
+
+    Args:
+        model: The model to optimize. If :func:`dedicate_params` was applied to it, the
+            dedicated parameters are the Muon parameters and each rank steps only those it
+            owns; otherwise ``predicate`` selects them.
+        lr: Muon learning rate (before ``adjust_lr_fn``).
+        momentum: Muon EMA momentum, in ``[0, 1)``.
+        nesterov: Use the Nesterov look-ahead.
+        weight_decay: Decoupled weight decay for Muon parameters.
+        ns_steps: Newton-Schulz iterations.
+        ns_coefficients: ``"quintic"``, ``"polar_express"``, one ``(a, b, c)`` triple or a
+            list of per-step triples.
+        ns_dtype: Newton-Schulz compute dtype (bf16 by default; fp32 for exact tests).
+        ns_backend: Newton-Schulz implementation (see ``optim.ns_backends``).
+        adjust_lr_fn: ``None``/``"original"``, ``"match_rms_adamw"`` or ``"spectral"``.
+        eps: Floor of the Newton-Schulz normalizing norm.
+        adamw_lr: AdamW learning rate for the non-Muon parameters.
+        adamw_betas: AdamW betas.
+        adamw_eps: AdamW epsilon.
+        adamw_weight_decay: AdamW decoupled weight decay.
+        replicate_async: Under HSDP, broadcast new values across replicas asynchronously
+            (requires ``dedicate_params(..., replicate_mesh=...)``).
+        predicate: One-process selection of Muon parameters, ``predicate(name, param)``;
+            defaults to every trainable 2-D parameter. Not allowed together with
+            :func:`dedicate_params`, whose own predicate decides.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        lr: float = 0.02,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        weight_decay: float = 0.0,
+        ns_steps: int = 5,
+        ns_coefficients="quintic",
+        ns_dtype: torch.dtype = torch.bfloat16,
+        ns_backend: str = "torch",
+        adjust_lr_fn: str | None = None,
+        eps: float = EPS,
+        adamw_lr: float = 1e-3,
+        adamw_betas: tuple[float, float] = (0.9, 0.95),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: float = 0.0,
+        replicate_async: bool = False,
+        predicate: Predicate | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        _check_range("lr", lr, 0.0)
+        _check_range("momentum", momentum, 0.0, 1.0)
+        _check_range("weight_decay", weight_decay, 0.0)
+        _check_range("adamw_lr", adamw_lr, 0.0)
+        _check_range("adamw_betas[0]", adamw_betas[0], 0.0, 1.0)
+        _check_range("adamw_betas[1]", adamw_betas[1], 0.0, 1.0)
+        _check_range("adamw_eps", adamw_eps, 0.0)
+        _check_range("adamw_weight_decay", adamw_weight_decay, 0.0)
+        _check_range("eps", eps, 0.0)
+        if adjust_lr_fn not in ADJUST_LR_FNS:
+            raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
+        if not (isinstance(ns_dtype, torch.dtype) and ns_dtype.is_floating_point):
+            raise ValueError(f"ns_dtype must be a floating torch.dtype, got {ns_dtype!r}")
+        resolve_ns_schedule(ns_coefficients, ns_steps)  # validates both
+        get_ns_backend(ns_backend)
+
+        self.dedication = get_dedication(model)
+        if self.dedication is not None:
+            if predicate is not None:
+                raise ValueError(
+                    "predicate: the model was prepared by dedicate_params, whose predicate "
+                    "selects the Muon parameters; do not pass one to Muon as well"
+                )
+            muon_params = list(self.dedication.params)
+        else:
+            muon_params = self._select(model, predicate or (lambda n, p: p.ndim == 2))
+        if replicate_async and (self.dedication is None or not self.dedication.has_replicas):
+            raise ValueError(
+                "replicate_async=True needs dedicate_params(..., replicate_mesh=...) (HSDP)"
+            )
+        muon_ids = {id(p) for p in muon_params}
+        adamw_params = [p for p in model.parameters() if p.requires_grad and id(p) not in muon_ids]
+
+        self.ns_dtype = ns_dtype
+        self.ns_backend = ns_backend
+        self.eps = eps
+        self.replicate_async = replicate_async
+        self.ns_matrices = 0
+        """Matrices this rank has orthogonalized so far (accounting and tests)."""
+
+        muon_group = {
+            "params": muon_params,
+            "use_muon": True,
+            "lr": lr,
+            "momentum": momentum,
+            "nesterov": nesterov,
+            "weight_decay": weight_decay,
+            "ns_steps": ns_steps,
+            "ns_coefficients": ns_coefficients,
+            "adjust_lr_fn": adjust_lr_fn,
+        }
+        adamw_group = {
+            "params": adamw_params,
+            "use_muon": False,
+            "lr": adamw_lr,
+            "betas": adamw_betas,
+            "eps": adamw_eps,
+            "weight_decay": adamw_weight_decay,
+        }
+        if not muon_params and not adamw_params:
+            raise ValueError("model has no trainable parameters")
+        super().__init__([muon_group, adamw_group], {"lr": lr})
+        self._adamw = self._make_adamw(adamw_params)
+        if self.dedication is not None:
+            self.dedication.verify_consistent()
+            self.dedication.set_replicate_async(replicate_async)
+
+    @staticmethod
+    def _select(model: nn.Module, predicate: Predicate) -> list[nn.Parameter]:
+        selected = []
+        for name, p in model.named_parameters():
+            if not p.requires_grad or not predicate(name, p):
+                continue
+            if p.ndim != 2:
+                raise ValueError(
+                    f"parameter {name!r} of shape {tuple(p.shape)} was selected for Muon, "
+                    "which only takes 2-D matrices"
+                )
+            selected.append(p)
+        return selected
+
+    def _make_adamw(self, adamw_params: list[nn.Parameter]) -> torch.optim.AdamW | None:
+        """An AdamW over ``param_groups[1]`` that shares its dict and our state."""
+        if not adamw_params:
+            return None
+        group = self.param_groups[1]
+        device_types = {p.device.type for p in adamw_params}
+        fused = None
+        if device_types <= {"cuda"} and all(p.dtype.is_floating_point for p in adamw_params):
+            fused = True
+        adamw = torch.optim.AdamW(
+            [{"params": group["params"]}],
+            lr=group["lr"],
+            betas=group["betas"],
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            fused=fused,
+        )
+        for key, value in adamw.param_groups[0].items():
+            group.setdefault(key, value)
+        adamw.param_groups = [group]
+        adamw.state = self.state
+        return adamw
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        # The base class rebuilt the group dicts and the state: share them again.
+        if self._adamw is not None:
+            self._adamw.param_groups = [self.param_groups[1]]
+            self._adamw.state = self.state
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Perform one optimization step.
+
+        Distributed, each rank orthogonalizes only the matrices it owns (those whose
+        reduced gradient it holds); the new values reach the other ranks by broadcast.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.dedication is not None:
+            self.dedication.before_step()
+
+        group = self.param_groups[0]
+        params, grads, bufs = [], [], []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p.grad)
+            params.append(p)
+            grads.append(p.grad)
+            bufs.append(state["momentum_buffer"])
+        if params:
+            schedule = resolve_ns_schedule(group["ns_coefficients"], group["ns_steps"])
+            self.ns_matrices += muon_step(
+                params,
+                grads,
+                bufs,
+                lr=group["lr"],
+                weight_decay=group["weight_decay"],
+                momentum=group["momentum"],
+                nesterov=group["nesterov"],
+                adjust_lr_fn=group["adjust_lr_fn"],
+                ns=bind_ns(self.ns_backend, schedule, eps=self.eps, dtype=self.ns_dtype),
+            )
+        if self._adamw is not None:
+            self._adamw.step()
+
+        if self.dedication is not None:
+            self.dedication.after_step()
+        return loss
