@@ -1,0 +1,85 @@
+"""Spawn gloo process groups from inside a test (no torchrun needed).
+
+``run_distributed(fn, world_size, *args)`` starts ``world_size`` processes that each init a
+gloo group over a file store, run ``fn(rank, world_size, *args)`` and send back its return
+value. A rank that raises fails the test with its traceback; a run that does not finish
+in ``timeout`` seconds (a hang) is killed and fails the test.
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing as mp
+import os
+import tempfile
+import time
+import traceback
+
+import torch
+
+DEFAULT_TIMEOUT = 240
+
+
+def _worker(fn, rank, world_size, store_path, result_path, args):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size
+        )
+        result = fn(rank, world_size, *args)
+        torch.save({"ok": True, "result": result}, result_path)
+    except BaseException:  # noqa: BLE001 - report anything to the parent
+        torch.save({"ok": False, "error": traceback.format_exc()}, result_path)
+        os._exit(1)
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the results
+    by rank."""
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        paths = [os.path.join(tmp, f"rank{r}.pt") for r in range(world_size)]
+        procs = [
+            ctx.Process(target=_worker, args=(fn, r, world_size, store, paths[r], args))
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        # Poll, so that one failed rank ends the run at once instead of leaving its peers
+        # blocked in a collective until the timeout.
+        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                break
+            time.sleep(0.05)
+        failed_early = any(p.exitcode not in (None, 0) for p in procs)
+        hung = [r for r, p in enumerate(procs) if p.is_alive() and not failed_early]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        outcomes = [
+            torch.load(path, weights_only=False) if os.path.exists(path) else None for path in paths
+        ]
+        errors = [
+            f"--- rank {r} ---\n{o['error']}"
+            for r, o in enumerate(outcomes)
+            if o is not None and not o["ok"]
+        ]
+        if errors:
+            raise AssertionError("distributed run failed:\n" + "\n".join(errors))
+        if hung:
+            raise AssertionError(
+                f"distributed run hung: ranks {hung} still running after {timeout}s"
+            )
+        missing = [r for r, o in enumerate(outcomes) if o is None]
+        if missing:
+            codes = [p.exitcode for p in procs]
+            raise AssertionError(f"ranks {missing} returned nothing (exit codes {codes})")
+        return [o["result"] for o in outcomes]

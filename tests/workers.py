@@ -1,0 +1,212 @@
+"""Training loops run inside spawned ranks, and their one-process references."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from tests.models import batch, loss_fn, make_model, proj_predicate
+from torchtitan_dmuon import Muon, clip_grad_norm_, dedicate_params, get_full_param
+
+MUON_KW = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.01)
+ADAMW_KW = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+
+
+def data_for(step: int, rank: int, world: int, same_data: bool, batch_size: int = 2):
+    """This rank's micro-batch; the concatenation over ranks is the reference batch."""
+    if same_data:
+        return batch(100 + step, batch_size)
+    inputs, targets = batch(100 + step, batch_size * world)
+    sl = slice(rank * batch_size, (rank + 1) * batch_size)
+    return inputs[sl], targets[sl]
+
+
+def full_params(model, dedication_names) -> dict[str, torch.Tensor]:
+    """Every parameter's full value, on every rank (collective)."""
+    out = {}
+    for name, p in model.named_parameters():
+        if name in dedication_names:
+            out[name] = get_full_param(model, name)
+        elif isinstance(p, DTensor):
+            out[name] = p.full_tensor().detach().clone()
+        else:
+            out[name] = p.detach().clone()
+    return out
+
+
+def train_dmuon(
+    rank,
+    world,
+    *,
+    fsdp=True,
+    z3=True,
+    steps=4,
+    same_data=False,
+    ns_dtype=torch.bfloat16,
+    accum=1,
+    clip=None,
+    predicate=proj_predicate,
+    model_kwargs=None,
+):
+    """Train the tiny transformer with DMuon; return losses, full params and counters."""
+    mesh = init_device_mesh("cpu", (world,))
+    model = make_model(seed=0, **(model_kwargs or {}))
+    dedication = dedicate_params(model, mesh, predicate, reshard_after_forward=z3)
+    if fsdp:
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    opt = Muon(
+        model,
+        **MUON_KW,
+        ns_dtype=ns_dtype,
+        adamw_lr=ADAMW_KW["lr"],
+        adamw_betas=ADAMW_KW["betas"],
+        adamw_eps=ADAMW_KW["eps"],
+        adamw_weight_decay=ADAMW_KW["weight_decay"],
+    )
+    losses, norms, per_step = [], [], []
+    for step in range(steps):
+        total = torch.zeros(())
+        with CollectiveCounter() as counter:
+            opt.zero_grad()
+            for micro in range(accum):
+                inputs, targets = data_for(step * accum + micro, rank, world, same_data)
+                loss = loss_fn(model, inputs, targets) / accum
+                loss.backward()
+                total += loss.detach()
+            if clip is not None:
+                norms.append(clip_grad_norm_(model, clip).item())
+            opt.step()
+        per_step.append(counter.snapshot())
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    names = {d.name for d in dedication.by_param.values()}
+    result = {
+        "losses": losses,
+        "norms": norms,
+        "params": full_params(model, names),
+        "ns_matrices": opt.ns_matrices,
+        "owned": sorted(d.name for d in dedication.by_param.values() if d.owner == rank),
+        "stats": dedication.stats.snapshot(),
+        "collectives": per_step,
+    }
+    del opt, model
+    return result
+
+
+def train_reference(
+    world,
+    *,
+    steps=4,
+    same_data=False,
+    ns_dtype=torch.bfloat16,
+    accum=1,
+    clip=None,
+    predicate=proj_predicate,
+    model_kwargs=None,
+):
+    """One process: torch.optim.Muon on the dedicated matrices, torch.optim.AdamW on the
+    rest, on the concatenation of every rank's batch."""
+    # Ranks run single-threaded; so does the reference, for the same reduction order.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    model = make_model(seed=0, **(model_kwargs or {}))
+    muon = [p for n, p in model.named_parameters() if predicate(n, p)]
+    ids = {id(p) for p in muon}
+    rest = [p for p in model.parameters() if id(p) not in ids]
+    if ns_dtype != torch.bfloat16:
+        # torch.optim.Muon always runs NS in bf16; the fp32 reference swaps in our fp32 NS.
+        from torchtitan_dmuon.optim.newton_schulz import newton_schulz, resolve_ns_schedule
+
+        def ns(grad, coefficients, steps_, eps):
+            return newton_schulz(
+                grad, resolve_ns_schedule(coefficients, steps_), eps=eps, dtype=ns_dtype
+            )
+
+        import torch.optim._muon as muon_module
+
+        original = muon_module._zeropower_via_newtonschulz
+        muon_module._zeropower_via_newtonschulz = ns
+    try:
+        opts = [torch.optim.Muon(muon, **MUON_KW), torch.optim.AdamW(rest, **ADAMW_KW)]
+        losses, norms = [], []
+        for step in range(steps):
+            for o in opts:
+                o.zero_grad()
+            total = 0.0
+            for micro in range(accum):
+                if same_data:
+                    inputs, targets = data_for(step * accum + micro, 0, world, True)
+                else:
+                    inputs, targets = batch(100 + step * accum + micro, 2 * world)
+                loss = loss_fn(model, inputs, targets) / accum
+                loss.backward()
+                total += loss.item()
+            if clip is not None:
+                norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
+            for o in opts:
+                o.step()
+            losses.append(total)
+    finally:
+        torch.set_num_threads(threads)
+        if ns_dtype != torch.bfloat16:
+            muon_module._zeropower_via_newtonschulz = original
+    return {
+        "losses": losses,
+        "norms": norms,
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "model": copy.deepcopy(model),
+    }
+
+
+class CollectiveCounter:
+    """Counts the bytes each rank passes to torch.distributed collectives, by kind.
+
+    Wraps the ``torch.distributed`` functions themselves (FSDP2 and the engine both call
+    them through the module), independently of the engine's own accounting.
+    """
+
+    KINDS = {
+        "broadcast": lambda args, kw: args[0],
+        "reduce": lambda args, kw: args[0],
+        "all_reduce": lambda args, kw: args[0],
+        "all_gather_single": lambda args, kw: kw["output"] if "output" in kw else args[0],
+        "reduce_scatter_single": lambda args, kw: kw["input"] if "input" in kw else args[1],
+    }
+
+    def __init__(self) -> None:
+        self.bytes = dict.fromkeys(self.KINDS, 0)
+        self.calls = dict.fromkeys(self.KINDS, 0)
+        self._originals = {}
+
+    def __enter__(self):
+        for kind, pick in self.KINDS.items():
+            original = getattr(dist, kind)
+            self._originals[kind] = original
+
+            def wrapped(*args, _kind=kind, _pick=pick, _original=original, **kwargs):
+                t = _pick(args, kwargs)
+                self.bytes[_kind] += t.numel() * t.element_size()
+                self.calls[_kind] += 1
+                return _original(*args, **kwargs)
+
+            setattr(dist, kind, wrapped)
+        return self
+
+    def __exit__(self, *exc):
+        for kind, original in self._originals.items():
+            setattr(dist, kind, original)
+
+    def snapshot(self) -> dict:
+        return {"bytes": dict(self.bytes), "calls": dict(self.calls)}
+
+
+def train_configs(rank, world, configs):
+    """Several DMuon trainings in one spawned job (spawning costs more than training)."""
+    return [train_dmuon(rank, world, **config) for config in configs]
