@@ -9,20 +9,24 @@ Layout: ``optim`` (the math, no torch.distributed), ``engine`` (ownership: parti
 dedication, communication, hooks; no TorchTitan), ``optimizer`` (the ``Muon`` class).
 """
 
-from torchtitan_dmuon.engine import clip_grad_norm_, dedicate_params, get_dedication
+from torchtitan_dmuon.engine import (
+    clip_grad_norm_,
+    dedicate_params,
+    get_dedication,
+    get_full_param,
+    set_requires_gradient_sync,
+)
 from torchtitan_dmuon.engine.fsdp_patch import install as _install_fsdp_patch
 from torchtitan_dmuon.optimizer import Muon
 
 _install_fsdp_patch()
 
-
-def get_full_param(model, name: str):
-    """The full value of dedicated parameter ``name`` on every rank (a collective)."""
-    dedication = get_dedication(model)
-    if dedication is None:
-        raise ValueError("model was not prepared by dedicate_params")
-    return dedication.full_param(name)
-
-
-__all__ = ["Muon", "clip_grad_norm_", "dedicate_params", "get_dedication", "get_full_param"]
+__all__ = [
+    "Muon",
+    "clip_grad_norm_",
+    "dedicate_params",
+    "get_dedication",
+    "get_full_param",
+    "set_requires_gradient_sync",
+]
 __version__ = "0.1.0"

@@ -194,6 +194,11 @@ class Muon(torch.optim.Optimizer):
         adamw.state = self.state
         return adamw
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        if self.dedication is not None:
+            self.dedication.zero_grad()
+
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
         # The base class rebuilt the group dicts and the state: share them again.
@@ -216,15 +221,18 @@ class Muon(torch.optim.Optimizer):
             self.dedication.before_step()
 
         group = self.param_groups[0]
+        if self.dedication is not None:
+            # Only the owner holds a matrix's reduced gradient: it alone steps it.
+            targets = self.dedication.owned_grads()
+        else:
+            targets = [(p, p, p.grad) for p in group["params"] if p.grad is not None]
         params, grads, bufs = [], [], []
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            state = self.state[p]
+        for key, param, grad in targets:
+            state = self.state[key]
             if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p.grad)
-            params.append(p)
-            grads.append(p.grad)
+                state["momentum_buffer"] = torch.zeros_like(param)
+            params.append(param)
+            grads.append(grad)
             bufs.append(state["momentum_buffer"])
         if params:
             schedule = resolve_ns_schedule(group["ns_coefficients"], group["ns_steps"])

@@ -26,14 +26,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from torchtitan_dmuon.engine import comm
 from torchtitan_dmuon.engine.fsdp_patch import mark_dedicated
 from torchtitan_dmuon.engine.partition import PartitionItem, assign_owners, load_balance
 from torchtitan_dmuon.optim.newton_schulz import ns_flops
 
-__all__ = ["Dedication", "DedicatedParam", "Unit", "Boundary", "dedicate_params", "get_dedication"]
+__all__ = [
+    "Boundary",
+    "DedicatedParam",
+    "Dedication",
+    "Unit",
+    "dedicate_params",
+    "get_dedication",
+    "get_full_param",
+    "set_requires_gradient_sync",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +55,15 @@ _DEDICATIONS: weakref.WeakKeyDictionary[nn.Module, Dedication] = weakref.WeakKey
 def get_dedication(model: nn.Module) -> Dedication | None:
     """The :class:`Dedication` that :func:`dedicate_params` attached to ``model``, if any."""
     return _DEDICATIONS.get(model)
+
+
+def get_full_param(model: nn.Module, name: str) -> torch.Tensor:
+    """The full value of dedicated parameter ``name`` on every rank (a collective), for
+    evaluation, export and tests."""
+    dedication = get_dedication(model)
+    if dedication is None:
+        raise ValueError("model was not prepared by dedicate_params")
+    return dedication.full_param(name)
 
 
 @dataclass(eq=False)
@@ -74,13 +92,17 @@ class Unit:
     Attributes:
         owner: Owning rank in the shard group.
         params: Its matrices, in model order.
-        flat: One contiguous buffer the parameters are views of. Its storage is freed on
-            non-owners between uses.
+        flat: One contiguous buffer the parameters are views of, in the compute dtype.
+            Its storage is freed on non-owners between uses.
     """
 
     owner: int
     params: list[DedicatedParam]
     flat: torch.Tensor | None = None
+    master: torch.Tensor | None = None
+    """Owner only, under mixed precision: the full-precision values ``flat`` is cast from."""
+    master_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
 
     @property
     def numel(self) -> int:
@@ -160,10 +182,13 @@ class Dedication:
         self.initialized = False
         self.syncs_other_grads = False
         """DDP-style: no FSDP in the model, so the engine all-reduces the other gradients."""
-        self.backwards_since_step = 0
+        self.requires_gradient_sync = True
+        self.synced_backwards = 0
+        """Backwards that reduced gradients since the last optimizer step."""
+        self.reduced_grads: dict[nn.Parameter, torch.Tensor] = {}
+        """Owner only: the mean gradient of each owned matrix, accumulated over backwards."""
         self.driver = None
         """The :class:`~torchtitan_dmuon.engine.hooks.HookDriver` set by ``register_hooks``."""
-        self._stashed_grads: dict[nn.Parameter, torch.Tensor] = {}
 
     # ---- queries ---------------------------------------------------------------------
     def is_owner(self, param: nn.Parameter) -> bool:
@@ -225,7 +250,9 @@ class Dedication:
 
         Done lazily so that meta-device initialization (``to_empty`` then
         ``init_weights``), checkpoint loading and ``fully_shard`` can all happen in between.
-        The owner's values win; non-owners free their copy.
+        The owner's values win; non-owners free their copy. Under an FSDP2
+        ``MixedPrecisionPolicy`` the flat buffer (what forward uses and what is broadcast)
+        is in ``param_dtype`` and the owner keeps a full-precision master beside it.
         """
         if self.initialized:
             return
@@ -233,18 +260,23 @@ class Dedication:
             isinstance(m, FSDPModule) for m in self.model.modules()
         )
         for boundary in self.boundaries:
+            param_dtype, reduce_dtype = _mixed_precision_of(self.model, boundary.name)
             for unit in boundary.units:
                 first = unit.params[0].param
-                unit.flat = torch.empty(unit.numel, dtype=first.dtype, device=first.device)
+                compute_dtype = param_dtype or first.dtype
+                unit.reduce_dtype = reduce_dtype or compute_dtype
+                unit.master_dtype = first.dtype
+                values = torch.cat([d.param.detach().reshape(-1) for d in unit.params])
+                if self.shard_rank == unit.owner and compute_dtype != first.dtype:
+                    unit.master = values
+                unit.flat = values.to(compute_dtype)
                 offset = 0
                 for d in unit.params:
                     n = d.param.numel()
-                    unit.flat[offset : offset + n].copy_(d.param.detach().reshape(-1))
                     d.param.data = unit.flat[offset : offset + n].view(d.param.shape)
                     d.offset = offset
                     offset += n
-                if unit.owner != self.shard_rank:
-                    self.free(unit)
+                self.free(unit)
         if self.syncs_other_grads:
             self._broadcast_others_from_rank0()
         self.initialized = True
@@ -260,15 +292,13 @@ class Dedication:
     def other_params(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad and p not in self.by_param]
 
-    def is_materialized(self, unit: Unit) -> bool:
-        return unit.flat.untyped_storage().size() > 0
-
     def allocate(self, unit: Unit) -> None:
         storage = unit.flat.untyped_storage()
         if storage.size() == 0:
             storage.resize_(unit.numel * unit.flat.element_size())
 
     def free(self, unit: Unit) -> None:
+        """Drop a non-owner's copy of ``unit`` (the parameters keep their shape, not data)."""
         if unit.owner != self.shard_rank:
             unit.flat.untyped_storage().resize_(0)
 
@@ -278,29 +308,13 @@ class Dedication:
         return comm.broadcast(unit.flat, unit.owner, self.shard_group, self.stats)
 
     # ---- gradients ---------------------------------------------------------------------
-    def stash_owned_grads(self) -> None:
-        """Move an owner's accumulated (already reduced) gradients aside before a new
-        backward, so that the next reduce sees only this backward's local gradient."""
-        for p in self.owned_params():
-            if p.grad is not None:
-                if p in self._stashed_grads:
-                    self._stashed_grads[p] += p.grad
-                else:
-                    self._stashed_grads[p] = p.grad
-                p.grad = None
-
-    def restore_stashed_grads(self) -> None:
-        for p, g in self._stashed_grads.items():
-            p.grad = g if p.grad is None else p.grad + g
-        self._stashed_grads.clear()
-
     def pack_grads(self, unit: Unit) -> torch.Tensor:
-        """A reduce bucket: every matrix's local gradient (zeros where it has none) and,
-        after them, one has-gradient flag per matrix, so the owner can tell a matrix that
-        no rank touched (skipped, as torch.optim.Muon does) from one whose sum is zero."""
+        """A reduce bucket in the reduce dtype: every matrix's local gradient (zeros where
+        it has none) and, after them, one has-gradient flag per matrix, so that the owner
+        can tell a matrix no rank touched (skipped, as torch.optim.Muon skips a ``None``
+        gradient) from one whose sum is zero. Consumes the local gradients."""
         n = len(unit.params)
-        first = unit.params[0].param
-        bucket = torch.zeros(unit.numel + n, dtype=first.dtype, device=first.device)
+        bucket = torch.zeros(unit.numel + n, dtype=unit.reduce_dtype, device=unit.flat.device)
         for i, d in enumerate(unit.params):
             grad = d.param.grad
             if grad is not None:
@@ -313,15 +327,19 @@ class Dedication:
         return comm.reduce_sum(bucket, unit.owner, self.shard_group, self.stats)
 
     def unpack_grads(self, unit: Unit, bucket: torch.Tensor) -> None:
-        """On the owner: turn the reduced bucket into mean gradients (one divide)."""
+        """On the owner: add the mean gradients (one divide) to the reduced gradients,
+        which accumulate over micro-batches until ``zero_grad``."""
         if unit.owner != self.shard_rank:
             return
         bucket.div_(self.shard_size)
         for i, d in enumerate(unit.params):
             if bucket[unit.numel + i] == 0:
                 continue
-            n = d.param.numel()
-            d.param.grad = bucket[d.offset : d.offset + n].view(d.param.shape)
+            grad = bucket[d.offset : d.offset + d.param.numel()].view(d.param.shape)
+            if d.param in self.reduced_grads:
+                self.reduced_grads[d.param] += grad
+            else:
+                self.reduced_grads[d.param] = grad
 
     def sync_other_grads(self) -> None:
         """DDP-style: average the non-dedicated gradients over the group (one bucket)."""
@@ -337,39 +355,100 @@ class Dedication:
             p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
             offset += n
 
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """Like FSDP2's: while False, backward keeps local gradients (no reduce), so that
+        micro-batches accumulate locally and the last, synced backward reduces their sum."""
+        self.requires_gradient_sync = requires_gradient_sync
+
+    def zero_grad(self) -> None:
+        self.reduced_grads.clear()
+
     # ---- optimizer step ------------------------------------------------------------------
+    def owned_grads(self) -> list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]]:
+        """``(param, master, grad)`` for each owned matrix with a reduced gradient: the
+        optimizer updates ``master`` (the parameter itself, or its full-precision copy
+        under mixed precision) and keys its state by ``param``."""
+        out = []
+        for boundary in self.boundaries:
+            for unit in boundary.units:
+                for d in unit.params:
+                    if d.param in self.reduced_grads:
+                        out.append(
+                            (d.param, self._master_view(unit, d), self.reduced_grads[d.param])
+                        )
+        return out
+
+    @staticmethod
+    def _master_view(unit: Unit, d: DedicatedParam) -> torch.Tensor:
+        if unit.master is None:
+            return d.param.data
+        return unit.master[d.offset : d.offset + d.param.numel()].view(d.param.shape)
+
     def before_step(self) -> None:
-        if not self.initialized or self.backwards_since_step == 0:
+        if not self.initialized or self.synced_backwards == 0:
             raise RuntimeError(
-                "Muon.step() was called before any backward since the last step: the "
-                "dedicated gradients have not been reduced to their owners yet"
+                "Muon.step() was called before any backward (with gradient sync enabled) "
+                "since the last step: the dedicated gradients have not been reduced to "
+                "their owners yet"
             )
-        self.restore_stashed_grads()
 
     def after_step(self) -> None:
-        self.backwards_since_step = 0
+        """Owners copy updated masters into the compute-dtype parameters."""
+        for boundary in self.boundaries:
+            for unit in boundary.units:
+                if unit.master is not None:
+                    unit.flat.copy_(unit.master)
+        self.synced_backwards = 0
 
     # ---- full values -----------------------------------------------------------------------
     @torch.no_grad()
     def full_param(self, name: str) -> torch.Tensor:
-        """The current full value of dedicated parameter ``name``, on every rank.
+        """The current full value of dedicated parameter ``name`` on every rank, in the
+        owner's master precision.
 
         A collective: every rank of the shard group must call it, in the same order.
         """
-        by_name = {d.name: d for d in self.by_param.values()}
-        if name not in by_name:
+        found = [
+            (u, d) for b in self.boundaries for u in b.units for d in u.params if d.name == name
+        ]
+        if not found:
             raise KeyError(f"{name!r} is not a dedicated parameter")
-        d = by_name[name]
+        unit, d = found[0]
         if not self.initialized:
-            value = d.param.detach().clone()
+            return d.param.detach().clone()
+        if d.owner == self.shard_rank:
+            value = self._master_view(unit, d).clone()
         else:
-            value = (
-                torch.empty_like(d.param)
-                if d.owner != self.shard_rank
-                else d.param.detach().clone()
-            )
+            value = torch.empty(d.param.shape, dtype=unit.master_dtype, device=unit.flat.device)
         comm.broadcast(value, d.owner, self.shard_group, self.stats).wait()
         return value
+
+
+def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -> None:
+    """Turn gradient reduction on or off for the dedicated parameters and, like
+    ``FSDPModule.set_requires_gradient_sync``, for every FSDP module in ``model``.
+
+    Use it for gradient accumulation without a reduce per micro-batch: off for all but
+    the last micro-batch. Every rank must set the same value.
+    """
+    dedication = get_dedication(model)
+    if dedication is not None:
+        dedication.set_requires_gradient_sync(requires_gradient_sync)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_requires_gradient_sync(requires_gradient_sync, recurse=False)
+
+
+def _mixed_precision_of(model: nn.Module, boundary_name: str) -> tuple:
+    """``(param_dtype, reduce_dtype)`` of the innermost ``fully_shard`` call that covers
+    the boundary (the boundary itself or an ancestor), or ``(None, None)``."""
+    parts = boundary_name.split(".") if boundary_name else []
+    for depth in range(len(parts), -1, -1):
+        module = model.get_submodule(".".join(parts[:depth]))
+        if isinstance(module, FSDPModule):
+            policy = fully_shard.state(module)._mp_policy
+            return policy.param_dtype, policy.reduce_dtype
+    return None, None
 
 
 def _validate_mesh(mesh: DeviceMesh, replicate_mesh: DeviceMesh | None) -> None:

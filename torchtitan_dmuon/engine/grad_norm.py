@@ -1,8 +1,8 @@
 """Gradient-norm clipping over dedicated, FSDP-sharded and replicated parameters together.
 
-After backward a dedicated matrix's gradient lives only on its owner, an FSDP2 parameter's
-gradient is a sharded DTensor, and (DDP-style) the other gradients are identical plain
-tensors on every rank. The global norm counts each exactly once.
+After backward a dedicated matrix's reduced gradient lives only on its owner (held by the
+engine), an FSDP2 parameter's gradient is a sharded DTensor, and (DDP-style) the other
+gradients are identical plain tensors on every rank. The global norm counts each exactly once.
 """
 
 from __future__ import annotations
@@ -29,14 +29,12 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     if norm_type != 2.0:
         raise ValueError(f"norm_type: only the 2-norm is supported, got {norm_type}")
     dedication = get_dedication(model)
-    dedicated = set(dedication.params) if dedication is not None else set()
-    owned, sharded, replicated = [], [], []
+    owned = [grad for _, _, grad in dedication.owned_grads()] if dedication is not None else []
+    sharded, replicated = [], []
     for p in model.parameters():
         if p.grad is None:
             continue
-        if p in dedicated:
-            owned.append(p.grad)
-        elif isinstance(p.grad, DTensor):
+        if isinstance(p.grad, DTensor):
             sharded.append(p.grad)
         else:
             replicated.append(p.grad)

@@ -96,7 +96,6 @@ class HookDriver:
     def root_pre_forward(self, module: nn.Module, args, kwargs):
         self.d.lazy_init()
         self.forward_gathers.reset()
-        self.d.stash_owned_grads()
         return None
 
     def root_post_forward(self, module: nn.Module, args, kwargs, output):
@@ -163,7 +162,7 @@ class HookDriver:
         def hook(param: torch.Tensor) -> None:
             self._start_backward()
             self._grad_counts[b] += 1
-            if self._grad_counts[b] == self._expected[b]:
+            if self._grad_counts[b] == self._expected[b] and self.d.requires_gradient_sync:
                 self._reduce_ready[b] = True
                 self._issue_ready_reduces()
 
@@ -179,17 +178,17 @@ class HookDriver:
             self.backward_gathers.finish()
             for b in list(self._gather_works):
                 self._wait_gather(b)
-        self.reduces.finish()
-        for b, i, work, bucket in self._pending_reduces:
-            work.wait()
-            self.d.unpack_grads(self.d.boundaries[b].units[i], bucket)
-        self._pending_reduces.clear()
+        if self.d.requires_gradient_sync:
+            self.reduces.finish()
+            for b, i, work, bucket in self._pending_reduces:
+                work.wait()
+                self.d.unpack_grads(self.d.boundaries[b].units[i], bucket)
+            self._pending_reduces.clear()
+            if self.d.syncs_other_grads:
+                self.d.sync_other_grads()
+            self.d.synced_backwards += 1
         for b in range(len(self.d.boundaries)):
             self._free_boundary(b)
-        self.d.restore_stashed_grads()
-        if self.d.syncs_other_grads:
-            self.d.sync_other_grads()
-        self.d.backwards_since_step += 1
         self._in_backward = False
 
 
