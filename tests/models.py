@@ -23,11 +23,32 @@ class Block(nn.Module):
         return x + self.down_proj(torch.relu(self.up_proj(self.norm(x))))
 
 
+class BranchBlock(Block):
+    """A block with a branch only some ranks take, a matrix no rank uses and a frozen one."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__(dim, hidden)
+        self.branch_proj = nn.Linear(dim, dim, bias=False)
+        self.unused_proj = nn.Linear(dim, dim, bias=False)
+        self.frozen_proj = nn.Linear(dim, dim, bias=False)
+        self.frozen_proj.weight.requires_grad_(False)
+        self.use_branch = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = super().forward(x)
+        x = x + 0.1 * self.frozen_proj(x)
+        if self.use_branch:
+            x = x + self.branch_proj(x)
+        return x
+
+
 class TinyTransformer(nn.Module):
-    def __init__(self, vocab: int = 64, dim: int = 32, hidden: int = 64, layers: int = 2) -> None:
+    def __init__(
+        self, vocab: int = 64, dim: int = 32, hidden: int = 64, layers: int = 2, block=Block
+    ) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList(Block(dim, hidden) for _ in range(layers))
+        self.layers = nn.ModuleList(block(dim, hidden) for _ in range(layers))
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
 

@@ -11,7 +11,13 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from tests.models import batch, loss_fn, make_model, proj_predicate
-from torchtitan_dmuon import Muon, clip_grad_norm_, dedicate_params, get_full_param
+from torchtitan_dmuon import (
+    Muon,
+    clip_grad_norm_,
+    dedicate_params,
+    get_full_param,
+    set_requires_gradient_sync,
+)
 
 MUON_KW = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.01)
 ADAMW_KW = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
@@ -52,15 +58,31 @@ def train_dmuon(
     clip=None,
     predicate=proj_predicate,
     model_kwargs=None,
+    mp_policy=None,
+    sync_last_micro_batch_only=False,
+    hook_boundary_predicate=None,
 ):
     """Train the tiny transformer with DMuon; return losses, full params and counters."""
     mesh = init_device_mesh("cpu", (world,))
     model = make_model(seed=0, **(model_kwargs or {}))
-    dedication = dedicate_params(model, mesh, predicate, reshard_after_forward=z3)
+    dedication = dedicate_params(
+        model,
+        mesh,
+        predicate,
+        reshard_after_forward=z3,
+        hook_boundary_predicate=hook_boundary_predicate,
+    )
     if fsdp:
+        fsdp_kwargs = {"mesh": mesh}
+        if mp_policy is not None:
+            fsdp_kwargs["mp_policy"] = mp_policy
         for layer in model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(layer, **fsdp_kwargs)
+        fully_shard(model, **fsdp_kwargs)
+    compute_dtypes = set()
+    model.layers[0].register_forward_pre_hook(
+        lambda m, args: compute_dtypes.add(m.q_proj.weight.dtype)
+    )
     opt = Muon(
         model,
         **MUON_KW,
@@ -76,6 +98,8 @@ def train_dmuon(
         with CollectiveCounter() as counter:
             opt.zero_grad()
             for micro in range(accum):
+                if sync_last_micro_batch_only:
+                    set_requires_gradient_sync(model, micro == accum - 1)
                 inputs, targets = data_for(step * accum + micro, rank, world, same_data)
                 loss = loss_fn(model, inputs, targets) / accum
                 loss.backward()
@@ -95,6 +119,8 @@ def train_dmuon(
         "owned": sorted(d.name for d in dedication.by_param.values() if d.owner == rank),
         "stats": dedication.stats.snapshot(),
         "collectives": per_step,
+        "compute_dtypes": compute_dtypes,
+        "boundaries": [b.name for b in dedication.boundaries],
     }
     del opt, model
     return result
