@@ -53,7 +53,7 @@ def train_with_branch(rank, world, fsdp, z3):
         opt.zero_grad()
         loss_fn(model, inputs, targets).backward()
         opt.step()
-    names = {d.name for d in dedication.by_param.values()}
+    names = {d.name for u in dedication.units for d in u.params}
     return {"params": full_params(model, names), "dedicated": sorted(names), "log": records}
 
 
@@ -231,6 +231,11 @@ def errors_worker(rank, world):
             dedicate_params(model, mesh, lambda n, p: "q_proj" in n)
         Muon(model)
 
+    def async_without_replicas():
+        model = make_model()
+        dedicate_params(model, mesh, proj_predicate)
+        Muon(model, replicate_async=True)
+
     def step_before_backward():
         model = make_model()
         dedicate_params(model, mesh, proj_predicate)
@@ -241,6 +246,7 @@ def errors_worker(rank, world):
         twice=twice,
         disagree=disagree,
         step_before_backward=step_before_backward,
+        async_without_replicas=async_without_replicas,
     )
     raised = {}
     for name, case in cases.items():
@@ -263,7 +269,8 @@ def test_bad_input_raises_clear_errors_on_every_rank():
         "nothing": ("ValueError", "selected no trainable"),
         "tied": ("ValueError", "tied"),
         "mesh_2d": ("ValueError", "1-D"),
-        "replicate": ("NotImplementedError", "replicate_mesh"),
+        "replicate": ("ValueError", "does not line up"),
+        "async_without_replicas": ("ValueError", "replicate_async=True needs"),
         "after_fsdp": ("RuntimeError", "before fully_shard"),
         "twice": ("RuntimeError", "already applied"),
         "disagree": ("RuntimeError", "disagree"),

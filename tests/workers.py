@@ -61,19 +61,35 @@ def train_dmuon(
     mp_policy=None,
     sync_last_micro_batch_only=False,
     hook_boundary_predicate=None,
+    hsdp_shape=None,
+    replicate_async=False,
+    snapshot_at=None,
+    record_events_at=None,
 ):
-    """Train the tiny transformer with DMuon; return losses, full params and counters."""
-    mesh = init_device_mesh("cpu", (world,))
+    """Train the tiny transformer with DMuon; return losses, full params and counters.
+
+    ``hsdp_shape=(R, G)`` trains on a (replicate, shard) mesh; ``snapshot_at`` reads every
+    dedicated value after that step (as a checkpoint save would); ``record_events_at``
+    records the replicate-broadcast events from that step's optimizer step through the
+    next forward.
+    """
+    if hsdp_shape is None:
+        mesh = fsdp_mesh = init_device_mesh("cpu", (world,))
+        replicate_mesh = None
+    else:
+        fsdp_mesh = init_device_mesh("cpu", hsdp_shape, mesh_dim_names=("replicate", "shard"))
+        mesh, replicate_mesh = fsdp_mesh["shard"], fsdp_mesh["replicate"]
     model = make_model(seed=0, **(model_kwargs or {}))
     dedication = dedicate_params(
         model,
         mesh,
         predicate,
+        replicate_mesh=replicate_mesh,
         reshard_after_forward=z3,
         hook_boundary_predicate=hook_boundary_predicate,
     )
     if fsdp:
-        fsdp_kwargs = {"mesh": mesh}
+        fsdp_kwargs = {"mesh": fsdp_mesh}
         if mp_policy is not None:
             fsdp_kwargs["mp_policy"] = mp_policy
         for layer in model.layers:
@@ -91,9 +107,15 @@ def train_dmuon(
         adamw_betas=ADAMW_KW["betas"],
         adamw_eps=ADAMW_KW["eps"],
         adamw_weight_decay=ADAMW_KW["weight_decay"],
+        replicate_async=replicate_async,
     )
-    losses, norms, per_step = [], [], []
+    losses, norms, per_step, snapshot, events = [], [], [], None, None
+    names = {d.name for u in dedication.units for d in u.params}
     for step in range(steps):
+        if step == record_events_at:
+            dedication.events = []
+        elif record_events_at is not None and step == record_events_at + 2:
+            events, dedication.events = dedication.events, None
         total = torch.zeros(())
         with CollectiveCounter() as counter:
             opt.zero_grad()
@@ -110,13 +132,23 @@ def train_dmuon(
         per_step.append(counter.snapshot())
         dist.all_reduce(total)
         losses.append(total.item() / world)
-    names = {d.name for d in dedication.by_param.values()}
+        if step == snapshot_at:
+            snapshot = {name: get_full_param(model, name) for name in sorted(names)}
     result = {
         "losses": losses,
         "norms": norms,
         "params": full_params(model, names),
         "ns_matrices": opt.ns_matrices,
-        "owned": sorted(d.name for d in dedication.by_param.values() if d.owner == rank),
+        "owned": sorted(
+            d.name for u in dedication.units if dedication.is_primary(u) for d in u.params
+        ),
+        "memory": dedication.memory_bytes(),
+        "snapshot": snapshot,
+        "events": events,
+        "coordinates": (dedication.replicate_rank, dedication.shard_rank),
+        "primary_units": [
+            (u.column, u.replica) for u in dedication.units if dedication.is_primary(u)
+        ],
         "stats": dedication.stats.snapshot(),
         "collectives": per_step,
         "compute_dtypes": compute_dtypes,

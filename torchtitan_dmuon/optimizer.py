@@ -155,7 +155,7 @@ class Muon(torch.optim.Optimizer):
         self._adamw = self._make_adamw(adamw_params)
         if self.dedication is not None:
             self.dedication.verify_consistent()
-            self.dedication.set_replicate_async(replicate_async)
+            self.dedication.replicate_async = replicate_async
 
     @staticmethod
     def _select(model: nn.Module, predicate: Predicate) -> list[nn.Parameter]:

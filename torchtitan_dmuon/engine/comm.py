@@ -21,8 +21,9 @@ class CommStats:
     """Running totals of what the engine sent through collectives on this rank.
 
     Attributes:
-        bytes: Payload bytes per collective kind (``"broadcast"``, ``"reduce"``,
-            ``"all_reduce"``), counted once per collective on each rank.
+        bytes: Payload bytes per collective kind (``"broadcast"`` and ``"reduce"`` inside
+            the shard group, ``"replicate_broadcast"`` and ``"replicate_reduce"`` across
+            HSDP replicas, ``"all_reduce"``), counted once per collective on each rank.
         calls: Number of collectives per kind.
     """
 
@@ -38,27 +39,39 @@ class CommStats:
 
 
 def broadcast(
-    tensor: torch.Tensor, group_src: int, group: dist.ProcessGroup, stats: CommStats
+    tensor: torch.Tensor,
+    group_src: int,
+    group: dist.ProcessGroup,
+    stats: CommStats,
+    kind: str = "broadcast",
 ) -> dist.Work:
-    """Asynchronously broadcast ``tensor`` from group rank ``group_src``."""
-    stats.record("broadcast", tensor)
+    """Asynchronously broadcast ``tensor`` from group rank ``group_src``; counted as
+    ``kind``."""
+    stats.record(kind, tensor)
     return dist.broadcast(tensor, group=group, group_src=group_src, async_op=True)
 
 
 def reduce_sum(
-    tensor: torch.Tensor, group_dst: int, group: dist.ProcessGroup, stats: CommStats
+    tensor: torch.Tensor,
+    group_dst: int,
+    group: dist.ProcessGroup,
+    stats: CommStats,
+    kind: str = "reduce",
 ) -> dist.Work:
-    """Asynchronously SUM-reduce ``tensor`` onto group rank ``group_dst``.
+    """Asynchronously SUM-reduce ``tensor`` onto group rank ``group_dst``; counted as
+    ``kind``.
 
     SUM, not AVG: gloo has neither AVG nor PREMUL_SUM, so the owner divides once.
     """
-    stats.record("reduce", tensor)
+    stats.record(kind, tensor)
     return dist.reduce(
         tensor, group=group, group_dst=group_dst, op=dist.ReduceOp.SUM, async_op=True
     )
 
 
-def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup, stats: CommStats) -> dist.Work:
-    """Asynchronously SUM-all-reduce ``tensor``."""
+def all_reduce_sum(
+    tensor: torch.Tensor, group: dist.ProcessGroup | None, stats: CommStats
+) -> dist.Work:
+    """Asynchronously SUM-all-reduce ``tensor`` (``group=None``: the default group)."""
     stats.record("all_reduce", tensor)
     return dist.all_reduce(tensor, group=group, op=dist.ReduceOp.SUM, async_op=True)

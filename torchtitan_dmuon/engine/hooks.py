@@ -85,7 +85,7 @@ class HookDriver:
         for i, unit in enumerate(self.d.boundaries[b].units):
             bucket = self.d.pack_grads(unit)
             self.d.free(unit)
-            work = self.d.reduce_async(unit, bucket)
+            work = self.d.reduce_to_column(unit, bucket)
             self._pending_reduces.append((b, i, work, bucket))
 
     def _free_boundary(self, b: int) -> None:
@@ -109,10 +109,10 @@ class HookDriver:
 
     def pre_forward(self, b: int):
         def hook(module, args, kwargs):
+            self.d.record("forward", boundary=b)
             self.forward_gathers.through(b)
             self._wait_gather(b)
-            if self.forward_gathers.next < len(self.forward_gathers.order):
-                self.forward_gathers.through(self.forward_gathers.order[self.forward_gathers.next])
+            self._prefetch(self.forward_gathers)
             return None
 
         return hook
@@ -154,9 +154,16 @@ class HookDriver:
             return
         self.backward_gathers.through(b)
         self._wait_gather(b)
-        order = self.backward_gathers.order
-        if self.backward_gathers.next < len(order):
-            self.backward_gathers.through(order[self.backward_gathers.next])
+        self._prefetch(self.backward_gathers)
+
+    def _prefetch(self, sequence: _Sequence) -> None:
+        """Start gathering the next boundary in ``sequence`` now, unless its values are
+        still arriving from the primary replica (then it is gathered when needed, and the
+        replicate broadcast keeps overlapping the current boundary's compute)."""
+        if sequence.next < len(sequence.order):
+            upcoming = sequence.order[sequence.next]
+            if self.d.replicas_landed(upcoming):
+                sequence.through(upcoming)
 
     def post_accumulate_grad(self, b: int):
         def hook(param: torch.Tensor) -> None:
@@ -180,10 +187,17 @@ class HookDriver:
                 self._wait_gather(b)
         if self.d.requires_gradient_sync:
             self.reduces.finish()
+            # Stage 2 (HSDP) starts per unit as soon as its stage-1 reduce has landed.
+            second_stage = []
             for b, i, work, bucket in self._pending_reduces:
                 work.wait()
-                self.d.unpack_grads(self.d.boundaries[b].units[i], bucket)
+                unit = self.d.boundaries[b].units[i]
+                second_stage.append((unit, self.d.reduce_to_primary(unit, bucket), bucket))
             self._pending_reduces.clear()
+            for unit, work, bucket in second_stage:
+                if work is not None:
+                    work.wait()
+                self.d.unpack_grads(unit, bucket)
             if self.d.syncs_other_grads:
                 self.d.sync_other_grads()
             self.d.synced_backwards += 1
