@@ -6,5 +6,5 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cd "$ROOT"
 ./scripts/setup.sh
 PY="${DMUON_VENV:-$ROOT/.venv}/bin/python"
-"$PY" -m ruff check torchtitan_dmuon tests benchmarks scripts
+"$PY" -m ruff check .
 exec "$PY" -m pytest tests "$@"
