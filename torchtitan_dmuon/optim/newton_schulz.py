@@ -23,6 +23,7 @@ __all__ = [
     "resolve_ns_schedule",
     "newton_schulz",
     "ns_flops",
+    "prepare_ns_input",
 ]
 
 EPS = 1e-7
@@ -109,6 +110,36 @@ def resolve_ns_schedule(
     return NSSchedule(coefficients=per_step, norm_scale=norm_scale)
 
 
+def prepare_ns_input(
+    grad: torch.Tensor, schedule: NSSchedule, *, eps: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, bool]:
+    """The normalized first iterate of Newton-Schulz, short side first (every backend's
+    prologue).
+
+    Copies ``grad`` to ``dtype``, transposes it when it has more rows than columns and
+    divides each matrix by ``schedule.norm_scale`` times its Frobenius norm, clamped at
+    ``eps`` (for 2-D input with the same operations as torch.optim.Muon).
+
+    Returns:
+        ``(x, transposed)``: ``x`` has rows <= cols (a transposed view when ``transposed``);
+        the caller returns ``result.mT`` when ``transposed``.
+
+    Raises:
+        ValueError: ``grad`` is neither 2-D nor 3-D.
+    """
+    if grad.ndim not in (2, 3):
+        raise ValueError(f"newton_schulz expects a 2-D matrix or a 3-D batch, got {grad.ndim}-D")
+    x = grad.to(dtype, copy=True)
+    transposed = x.size(-2) > x.size(-1)
+    if transposed:
+        x = x.mT
+    norm = x.norm() if x.ndim == 2 else x.norm(dim=(-2, -1), keepdim=True)
+    if schedule.norm_scale != 1.0:
+        norm = norm * schedule.norm_scale
+    x.div_(norm.clamp(min=eps))
+    return x, transposed
+
+
 def newton_schulz(
     grad: torch.Tensor,
     schedule: NSSchedule,
@@ -131,21 +162,8 @@ def newton_schulz(
     Returns:
         The orthogonalized tensor, same shape as ``grad``, in ``dtype``.
     """
-    if grad.ndim not in (2, 3):
-        raise ValueError(f"newton_schulz expects a 2-D matrix or a 3-D batch, got {grad.ndim}-D")
-    x = grad.to(dtype, copy=True)
-    transposed = x.size(-2) > x.size(-1)
-    if transposed:
-        x = x.mT
-    if x.ndim == 2:
-        norm = x.norm()
-        mm = torch.addmm
-    else:
-        norm = x.norm(dim=(-2, -1), keepdim=True)
-        mm = torch.baddbmm
-    if schedule.norm_scale != 1.0:
-        norm = norm * schedule.norm_scale
-    x.div_(norm.clamp(min=eps))
+    x, transposed = prepare_ns_input(grad, schedule, eps=eps, dtype=dtype)
+    mm = torch.addmm if x.ndim == 2 else torch.baddbmm
     for a, b, c in schedule.coefficients:
         gram = x @ x.mT
         poly = mm(gram, gram, gram, beta=b, alpha=c)

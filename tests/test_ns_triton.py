@@ -1,0 +1,187 @@
+"""Triton Newton-Schulz kernels and the "triton"/"auto" backends.
+
+Without a GPU the kernels run under the Triton interpreter (see conftest.py), which is slow:
+shapes stay small. Shapes are not block multiples, so edge masks are exercised.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from tests.models import batch, loss_fn, make_model, proj_predicate
+from torchtitan_dmuon import Muon
+from torchtitan_dmuon.optim import ns_backends
+from torchtitan_dmuon.optim.newton_schulz import newton_schulz, resolve_ns_schedule
+from torchtitan_dmuon.optim.ns_backends import choose_ns_backend, get_ns_backend
+
+triton_ns = pytest.importorskip("torchtitan_dmuon.optim.kernels.triton_ns")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FP32 = dict(rtol=1e-4, atol=1e-5)
+SMALL = triton_ns.BlockSizes(m=16, n=16, k=16)
+
+
+@pytest.fixture(autouse=True)
+def _ieee_fp32():
+    """fp32 comparisons need full-precision products from torch and from the kernels."""
+    if DEVICE == "cpu":
+        yield
+        return
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def _randn(*shape, seed=0, dtype=torch.float32):
+    g = torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+    return g.to(device=DEVICE, dtype=dtype)
+
+
+@pytest.mark.parametrize("shape", [(100, 300), (2, 40, 70)])
+@pytest.mark.parametrize("blocks", [None, SMALL], ids=["default", "small"])
+def test_sym_gram_exactly_symmetric(shape, blocks):
+    x = _randn(*shape)
+    a_mat = triton_ns.sym_gram(x, blocks=blocks)
+    assert torch.equal(a_mat, a_mat.mT)
+    torch.testing.assert_close(a_mat, x @ x.mT, **FP32)
+
+
+def test_sym_gram_of_transposed_view():
+    x = _randn(90, 40)
+    torch.testing.assert_close(triton_ns.sym_gram(x.mT), x.mT @ x, **FP32)
+
+
+@pytest.mark.parametrize("blocks", [None, SMALL], ids=["default", "small"])
+def test_sym_poly_exactly_symmetric(blocks):
+    x = _randn(2, 70, 90, seed=1) / 10
+    a_mat = x @ x.mT
+    a_mat = (a_mat + a_mat.mT) / 2  # torch's product is not exactly symmetric
+    poly = triton_ns.sym_poly(a_mat, -4.775, 2.0315, blocks=blocks)
+    assert torch.equal(poly, poly.mT)
+    torch.testing.assert_close(poly, -4.775 * a_mat + 2.0315 * a_mat @ a_mat, **FP32)
+
+
+@pytest.mark.parametrize("blocks", [None, SMALL], ids=["default", "small"])
+def test_poly_apply(blocks):
+    p, x = _randn(70, 70, seed=2), _randn(70, 150, seed=3)
+    out = triton_ns.poly_apply(p, x, 3.4445, blocks=blocks)
+    torch.testing.assert_close(out, 3.4445 * x + p @ x, **FP32)
+
+
+@pytest.mark.parametrize("preset", ["quintic", "polar_express"])
+@pytest.mark.parametrize("shape", [(100, 300), (300, 100), (3, 40, 72), (72, 72)])
+def test_matches_torch_backend_fp32(preset, shape):
+    g = _randn(*shape, seed=4)
+    schedule = resolve_ns_schedule(preset, 5)
+    ours = triton_ns.triton_newton_schulz(g, schedule, dtype=torch.float32)
+    assert ours.shape == g.shape and ours.dtype == torch.float32
+    torch.testing.assert_close(ours, newton_schulz(g, schedule, dtype=torch.float32), **FP32)
+
+
+def test_small_blocks_and_per_step_coefficients():
+    g = _randn(37, 20, seed=5)
+    schedule = resolve_ns_schedule([(3.0, -3.2, 1.2), (2.0, -1.5, 0.5)], 3)
+    ours = triton_ns.triton_newton_schulz(g, schedule, dtype=torch.float32, blocks=SMALL)
+    torch.testing.assert_close(ours, newton_schulz(g, schedule, dtype=torch.float32), **FP32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_close_to_torch(dtype):
+    g = _randn(3, 48, 80, seed=6)
+    schedule = resolve_ns_schedule("quintic", 5)
+    ours = get_ns_backend("triton")(g, schedule, dtype=dtype)
+    assert ours.dtype == dtype and ours.shape == g.shape
+    reference = newton_schulz(g, schedule, dtype=torch.float32)
+    error = (ours.float() - reference).norm() / reference.norm()
+    # torch's bf16 loop is off by 1.5% here. The interpreter truncates fp32 -> bf16 where
+    # GPUs round to nearest, which costs it another 0.6%.
+    assert error < 2.5e-2
+
+
+def test_input_is_not_modified():
+    g = _randn(40, 24, seed=7, dtype=torch.bfloat16)
+    before = g.clone()
+    triton_ns.triton_newton_schulz(g, resolve_ns_schedule("quintic", 2))
+    assert torch.equal(g, before)
+
+
+def test_bad_arguments():
+    schedule = resolve_ns_schedule("quintic", 1)
+    with pytest.raises(ValueError, match="2-D matrix or a 3-D batch"):
+        triton_ns.triton_newton_schulz(_randn(8), schedule)
+    with pytest.raises(ValueError, match="not supported"):
+        triton_ns.triton_newton_schulz(_randn(8, 8), schedule, dtype=torch.float64)
+    with pytest.raises(ValueError, match="square"):
+        triton_ns.sym_poly(_randn(8, 16), 1.0, 1.0)
+    with pytest.raises(ValueError, match="one 8 x 8 matrix"):
+        triton_ns.poly_apply(_randn(8, 16), _randn(8, 16), 1.0)
+    with pytest.raises(ValueError, match="power of two >= 16"):
+        triton_ns.BlockSizes(m=8)
+    with pytest.raises(ValueError, match="power of two >= 16"):
+        triton_ns.BlockSizes(k=48)
+
+
+def test_cpu_tensor_needs_the_interpreter(monkeypatch):
+    monkeypatch.setattr(triton_ns, "INTERPRET", False)
+    with pytest.raises(RuntimeError, match="needs CUDA tensors.*TRITON_INTERPRET=1"):
+        triton_ns.triton_newton_schulz(torch.randn(8, 8), resolve_ns_schedule("quintic", 1))
+
+
+def test_auto_is_torch_off_cuda_and_for_small_matrices():
+    schedule = resolve_ns_schedule("quintic", 5)
+    g = _randn(64, 96, seed=8)
+    assert choose_ns_backend(g, schedule, dtype=torch.bfloat16) == "torch"
+    assert choose_ns_backend(g.cpu(), schedule, dtype=torch.bfloat16) == "torch"
+    assert torch.equal(get_ns_backend("auto")(g, schedule), newton_schulz(g, schedule))
+
+
+@pytest.mark.parametrize(
+    "timings, broken, expected",
+    [
+        ({"torch": 10.0, "triton": 6.0, "gram": 5.0}, None, "gram"),
+        ({"torch": 10.0, "triton": 6.0, "gram": 5.0}, "gram", "triton"),
+        ({"torch": 10.0, "triton": 9.8, "gram": 12.0}, None, "torch"),  # within the margin
+    ],
+)
+def test_auto_picks_the_fastest_correct_backend(monkeypatch, timings, broken, expected):
+    """The selection logic of "auto" on CUDA, with fake timings (no GPU needed)."""
+    last = []
+
+    def tracked(name, real):
+        def backend(grad, *args, **kwargs):
+            last.append(name)
+            out = real(grad, *args, **kwargs)
+            return torch.zeros_like(out) if name == broken else out
+
+        return backend
+
+    for name in timings:
+        real = ns_backends.NS_BACKENDS[name]
+        monkeypatch.setitem(ns_backends.NS_BACKENDS, name, tracked(name, real))
+    monkeypatch.setattr(ns_backends, "_cuda_ms", lambda fn: (fn(), timings[last[-1]])[1])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "fake GPU")
+    schedule = resolve_ns_schedule("quintic", 2)
+    g = _randn(24, 40, seed=9)
+    picked = ns_backends._measure_fastest(g, schedule, eps=1e-7, dtype=torch.float32)
+    assert picked == expected
+
+
+def test_muon_trains_like_torch_backend():
+    models = {"torch": make_model()}
+    models["triton"] = copy.deepcopy(models["torch"])
+    losses = {}
+    for name, model in models.items():
+        model.to(DEVICE)
+        opt = Muon(model, ns_backend=name, ns_dtype=torch.float32, predicate=proj_predicate)
+        losses[name] = []
+        for step in range(3):
+            loss = loss_fn(model, *(t.to(DEVICE) for t in batch(100 + step)))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses[name].append(loss.item())
+    torch.testing.assert_close(losses["triton"], losses["torch"], rtol=1e-4, atol=0)
+    for p, q in zip(models["triton"].parameters(), models["torch"].parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
