@@ -148,6 +148,20 @@ def test_gradient_sync_off_reduces_once_per_step():
     assert last_only["collectives"][1]["calls"]["reduce"] == 4
 
 
+def test_meta_device_init_rebinds_new_parameter_objects():
+    """to_empty after fully_shard registers new Parameter objects (TorchTitan's flow)."""
+    configs = [
+        dict(steps=3),
+        dict(steps=3, meta_init=True),
+        dict(steps=3, meta_init=True, z3=False),
+    ]
+    by_rank = run_distributed(train_configs, 2, configs)
+    eager, meta_z3, meta_z2 = by_rank[0]
+    assert meta_z3["losses"] == eager["losses"] == meta_z2["losses"]
+    for name, value in eager["params"].items():
+        assert torch.equal(meta_z3["params"][name], value), name
+
+
 def root_boundary(name, module):
     """One boundary for the whole model."""
     return name == ""

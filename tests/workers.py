@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from tests.models import batch, loss_fn, make_model, proj_predicate
 from torchtitan_dmuon import (
@@ -45,6 +45,16 @@ def full_params(model, dedication_names) -> dict[str, torch.Tensor]:
     return out
 
 
+@torch.no_grad()
+def _copy_init_values(model, source):
+    """Give ``model`` (sharded or not) the values of the plain module ``source``."""
+    for p, full in zip(model.parameters(), source.parameters(), strict=True):
+        if isinstance(p, DTensor):
+            p.copy_(distribute_tensor(full, p.device_mesh, p.placements))
+        else:
+            p.copy_(full)
+
+
 def train_dmuon(
     rank,
     world,
@@ -65,6 +75,7 @@ def train_dmuon(
     replicate_async=False,
     snapshot_at=None,
     record_events_at=None,
+    meta_init=False,
 ):
     """Train the tiny transformer with DMuon; return losses, full params and counters.
 
@@ -79,7 +90,11 @@ def train_dmuon(
     else:
         fsdp_mesh = init_device_mesh("cpu", hsdp_shape, mesh_dim_names=("replicate", "shard"))
         mesh, replicate_mesh = fsdp_mesh["shard"], fsdp_mesh["replicate"]
-    model = make_model(seed=0, **(model_kwargs or {}))
+    if meta_init:
+        with torch.device("meta"):
+            model = make_model(seed=0, **(model_kwargs or {}))
+    else:
+        model = make_model(seed=0, **(model_kwargs or {}))
     dedication = dedicate_params(
         model,
         mesh,
@@ -95,6 +110,10 @@ def train_dmuon(
         for layer in model.layers:
             fully_shard(layer, **fsdp_kwargs)
         fully_shard(model, **fsdp_kwargs)
+    if meta_init:
+        # As TorchTitan does: materialize after fully_shard, then initialize in place.
+        model.to_empty(device="cpu")
+        _copy_init_values(model, make_model(seed=0, **(model_kwargs or {})))
     compute_dtypes = set()
     model.layers[0].register_forward_pre_hook(
         lambda m, args: compute_dtypes.add(m.q_proj.weight.dtype)

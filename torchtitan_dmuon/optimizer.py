@@ -113,6 +113,7 @@ class Muon(torch.optim.Optimizer):
                     "predicate: the model was prepared by dedicate_params, whose predicate "
                     "selects the Muon parameters; do not pass one to Muon as well"
                 )
+            self.dedication.bind_params()
             muon_params = list(self.dedication.params)
         else:
             muon_params = self._select(model, predicate or (lambda n, p: p.ndim == 2))

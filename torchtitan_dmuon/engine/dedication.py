@@ -115,6 +115,10 @@ class Dedication:
         self.reshard_after_forward = reshard_after_forward
         self.units: list[Unit] = [u for b in boundaries for u in b.units]
         self.params: list[nn.Parameter] = [d.param for b in boundaries for d in b.params]
+        self.gradient_divide_factor: float | None = None
+        """Reduced gradients are divided by this (default: the number of ranks, i.e. the
+        mean; 1.0 keeps the sum, for a loss already normalized over the global batch)."""
+        self._hooked_params: set[int] = set()
         self.stats = comm.CommStats()
         self.replicate_async = False
         self.initialized = False
@@ -131,6 +135,35 @@ class Dedication:
         self.driver = None
         """The :class:`~torchtitan_dmuon.engine.hooks.HookDriver` set by ``register_hooks``."""
         self._boundary_of_unit = {id(u): i for i, b in enumerate(boundaries) for u in b.units}
+
+    # ---- parameters -------------------------------------------------------------------
+    def bind_params(self) -> None:
+        """Point the plan at the model's current parameter objects, found by name.
+
+        ``Module.to_empty`` (meta-device initialization, as TorchTitan does after
+        ``fully_shard``) registers new Parameter objects; the plan follows them, and each
+        new object gets the dedicated mark and the post-accumulate-grad hook.
+        """
+        for b, boundary in enumerate(self.boundaries):
+            for d in boundary.params:
+                current = self.model.get_parameter(d.name)
+                if current is not d.param:
+                    d.param = current
+                if id(current) not in self._hooked_params:
+                    mark_dedicated(current)
+                    self.driver.register_param_hook(current, b)
+                    self._hooked_params.add(id(current))
+        self.params = [d.param for b in self.boundaries for d in b.params]
+
+    def set_gradient_divide_factor(self, factor: float | None) -> None:
+        """Like ``FSDPModule.set_gradient_divide_factor``: divide reduced gradients by
+        ``factor`` (None: the number of ranks)."""
+        if factor is not None and factor <= 0:
+            raise ValueError(f"gradient divide factor must be > 0, got {factor}")
+        self.gradient_divide_factor = factor
+
+    def _divide_factor(self, ranks: int) -> float:
+        return self.gradient_divide_factor if self.gradient_divide_factor else ranks
 
     # ---- roles -------------------------------------------------------------------------
     def holds(self, unit: Unit) -> bool:
@@ -231,6 +264,7 @@ class Dedication:
         """
         if self.initialized:
             return
+        self.bind_params()
         self.syncs_other_grads = dist.get_world_size() > 1 and not any(
             isinstance(m, FSDPModule) for m in self.model.modules()
         )
@@ -356,7 +390,7 @@ class Dedication:
         which accumulate over micro-batches until ``zero_grad``."""
         if not self.is_primary(unit):
             return
-        bucket.div_(self.shard_size * self.replicate_size)
+        bucket.div_(self._divide_factor(self.shard_size * self.replicate_size))
         for i, d in enumerate(unit.params):
             if bucket[unit.numel + i] == 0:
                 continue
@@ -373,7 +407,7 @@ class Dedication:
             return
         flat = torch.cat([p.grad.reshape(-1) for p in params])
         comm.all_reduce_sum(flat, None, self.stats).wait()
-        flat.div_(dist.get_world_size())
+        flat.div_(self._divide_factor(dist.get_world_size()))
         offset = 0
         for p in params:
             n = p.grad.numel()
@@ -571,8 +605,6 @@ def dedicate_params(
         hook_boundary_predicate=hook_boundary_predicate,
     )
     dedication = Dedication(model, mesh, replicate_mesh, boundaries, reshard_after_forward)
-    for p in dedication.params:
-        mark_dedicated(p)
     _DEDICATIONS[model] = dedication
 
     from torchtitan_dmuon.engine.hooks import register_hooks

@@ -165,6 +165,9 @@ class HookDriver:
             if self.d.replicas_landed(upcoming):
                 sequence.through(upcoming)
 
+    def register_param_hook(self, param: torch.Tensor, b: int) -> None:
+        param.register_post_accumulate_grad_hook(self.post_accumulate_grad(b))
+
     def post_accumulate_grad(self, b: int):
         def hook(param: torch.Tensor) -> None:
             self._start_backward()
@@ -214,8 +217,7 @@ def register_hooks(dedication: Dedication) -> HookDriver:
     for b, boundary in enumerate(dedication.boundaries):
         boundary.module.register_forward_pre_hook(driver.pre_forward(b), with_kwargs=True)
         boundary.module.register_forward_hook(driver.post_forward(b), with_kwargs=True)
-        for d in boundary.params:
-            d.param.register_post_accumulate_grad_hook(driver.post_accumulate_grad(b))
     model.register_forward_hook(driver.root_post_forward, with_kwargs=True)
     dedication.driver = driver
+    dedication.bind_params()
     return driver
