@@ -19,7 +19,8 @@ log() { echo "[setup] $*" >&2; }
 
 # Re-run only when the project's dependency list changed since the last setup.
 want_stamp="$(sha256sum "$ROOT/pyproject.toml" "$ROOT/scripts/setup.sh" | sha256sum | cut -d' ' -f1)"
-if [[ -x "$PY" && -f "$STAMP" && "$(cat "$STAMP")" == "$want_stamp" ]]; then
+ASSETS="$ROOT/assets"
+if [[ -x "$PY" && -f "$STAMP" && "$(cat "$STAMP")" == "$want_stamp" && -f "$ASSETS/tokenizer/tokenizer.json" ]]; then
   exit 0
 fi
 
@@ -64,6 +65,12 @@ echo "torch==$torch_now" >"$constraints"
 
 log "installing torchtitan-dmuon (editable) with test and bench extras around torch $torch_now"
 "${PIP[@]}" install -c "$constraints" -e "$ROOT[test,bench]"
+
+# Offline training assets (a text corpus and its tokenizer), built locally, never downloaded.
+if [[ ! -f "$ASSETS/tokenizer/tokenizer.json" ]]; then
+  log "building the training corpus and tokenizer in $ASSETS"
+  "$PY" -m torchtitan_dmuon.titan.assets --out "$ASSETS"
+fi
 
 echo "$want_stamp" >"$STAMP"
 log "done"

@@ -1,0 +1,73 @@
+"""The TorchTitan adapter: thin glue between TorchTitan 0.2.2 and the ownership engine.
+
+* ``config.py``: the ``[dmuon]`` TOML section;
+* ``parallelize.py``: runs ``dedicate_params`` right before TorchTitan's FSDP;
+* ``optimizer.py``: the optimizer container and builder;
+* ``checkpoint.py``: topology-independent model state for DCP;
+* ``cpu.py``: the CPU (gloo) layer;
+* ``train.py``: the training entry point (``run_train.sh`` runs it).
+
+A new model goes in :data:`MODELS` below, if its parallelize function applies FSDP through
+a module-level ``apply_fsdp`` as TorchTitan's do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torchtitan.protocols.train_spec import get_train_spec, register_train_spec
+
+from torchtitan_dmuon.titan.cpu import enable_cpu_support
+
+__all__ = ["MODELS", "register"]
+
+MODELS = ("llama3", "qwen3", "llama4")
+"""TorchTitan models whose train specs DMuon wraps (same names: selecting ``[optimizer]
+name = "DMuon"`` is the only change a config needs)."""
+
+_registered = False
+
+
+def _wrap_optimizer_builder(build_optimizers_fn):
+    """Build DMuon when asked, else TorchTitan's optimizers. A model's own builder (the MoE
+    one adds a load-balancing step hook) runs with ``build_optimizers`` pointing at ours."""
+    import torchtitan.components.optimizer as titan_optimizer
+
+    from torchtitan_dmuon.titan.optimizer import build_dmuon_optimizers
+    from torchtitan_dmuon.titan.parallelize import DMUON
+
+    titan_builder = titan_optimizer.build_optimizers
+
+    def build(model_parts, optimizer_config, parallel_dims, ft_manager=None):
+        if optimizer_config.name != DMUON:
+            return build_optimizers_fn(model_parts, optimizer_config, parallel_dims, ft_manager)
+        if build_optimizers_fn is titan_builder:
+            return build_dmuon_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager)
+        titan_optimizer.build_optimizers = build_dmuon_optimizers
+        try:
+            return build_optimizers_fn(model_parts, optimizer_config, parallel_dims, ft_manager)
+        finally:
+            titan_optimizer.build_optimizers = titan_builder
+
+    return build
+
+
+def register() -> None:
+    """Register DMuon-aware train specs for :data:`MODELS` and the CPU layer. Idempotent."""
+    global _registered
+    if _registered:
+        return
+    from torchtitan_dmuon.titan.parallelize import with_dedication
+
+    enable_cpu_support()
+    for name in MODELS:
+        spec = get_train_spec(name)
+        register_train_spec(
+            name,
+            dataclasses.replace(
+                spec,
+                parallelize_fn=with_dedication(spec.parallelize_fn),
+                build_optimizers_fn=_wrap_optimizer_builder(spec.build_optimizers_fn),
+            ),
+        )
+    _registered = True

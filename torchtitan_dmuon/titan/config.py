@@ -1,0 +1,73 @@
+"""The ``[dmuon]`` TOML section, merged into TorchTitan's JobConfig.
+
+TorchTitan imports this module through ``[job] custom_config_module`` (the training entry
+point ``torchtitan_dmuon.titan.train`` sets it), so every field below is a TOML key
+(``[dmuon] ns_steps = 5``) and a flag (``--dmuon.ns_steps 5``) with this docstring as its
+``--help`` text. DMuon is switched on by ``[optimizer] name = "DMuon"``; AdamW, which takes
+every parameter DMuon does not, keeps TorchTitan's own ``[optimizer]`` lr, beta1, beta2,
+eps and weight_decay.
+"""
+
+from dataclasses import dataclass, field
+
+DEFAULT_PARAM_PATTERNS = (
+    "layers.*.attention.w[qkvo].weight",
+    "layers.*.feed_forward.w[123].weight",
+)
+"""The attention and feed-forward projection matrices of TorchTitan's llama3/qwen3/llama4."""
+
+
+@dataclass
+class DMuon:
+    """Dedicated-ownership Muon, one owner rank per matrix ([optimizer] name = "DMuon")."""
+
+    params: list[str] = field(default_factory=lambda: list(DEFAULT_PARAM_PATTERNS))
+    """Glob patterns over parameter names (activation-checkpoint and compile wrapper
+    prefixes removed) that select the matrices DMuon owns; each must match at least one
+    parameter, and every match must be a 2-D matrix. The rest goes to AdamW."""
+
+    hook_boundaries: list[str] = field(default_factory=list)
+    """Glob patterns over module names whose hooks move the dedicated matrices beneath
+    them (the innermost match wins). Empty: each transformer block (align with fully_shard)."""
+
+    reshard_after_forward: bool = True
+    """True: Z3 (free non-owned matrices after forward, broadcast again before backward).
+    False: Z2 (keep them until after backward: one broadcast per block per step less)."""
+
+    replicate_async: bool = False
+    """HSDP only: broadcast new values across replicas asynchronously after the step, hidden
+    behind the next forward."""
+
+    lr: float = 0.02
+    """Muon learning rate (before adjust_lr_fn); the LR scheduler scales it like AdamW's."""
+
+    momentum: float = 0.95
+    """Muon EMA momentum, in [0, 1)."""
+
+    nesterov: bool = True
+    """Nesterov look-ahead for Muon."""
+
+    weight_decay: float = 0.0
+    """Decoupled weight decay of the Muon matrices."""
+
+    ns_steps: int = 5
+    """Newton-Schulz iterations."""
+
+    ns_coefficients: str = "quintic"
+    """Newton-Schulz coefficient preset: quintic or polar_express."""
+
+    ns_backend: str = "torch"
+    """Newton-Schulz implementation: torch, triton, gram or auto."""
+
+    ns_dtype: str = "bfloat16"
+    """Newton-Schulz compute dtype: bfloat16, float16, float32 or float64."""
+
+    adjust_lr_fn: str = "original"
+    """Per-shape learning-rate scaling: original, match_rms_adamw or spectral."""
+
+
+@dataclass
+class JobConfig:
+    """Adds the [dmuon] section to TorchTitan's JobConfig."""
+
+    dmuon: DMuon = field(default_factory=DMuon)

@@ -1,0 +1,109 @@
+"""CPU support for TorchTitan 0.2.2: the patches that let its trainer run on gloo.
+
+TorchTitan targets accelerators. On a machine without one (CI, laptops) this layer:
+
+* selects the ``"cpu"`` device (TorchTitan falls back to ``"cuda"``), hence the gloo
+  backend, in every module that copied ``device_type`` at import;
+* gives the memory monitor, profiler and process-group code a ``device_module`` with the
+  few functions they call (memory is the process's peak resident set);
+* makes FSDP2 reduce with plain SUM: TorchTitan disables FSDP's gradient division (the
+  loss is already normalized over the global batch), which FSDP2 implements with
+  ``PREMUL_SUM``, an op gloo does not have;
+* lets MoE routers count tokens (``torch.histc`` has no integer CPU kernel) and keeps
+  qwen3's MoE off the Triton-only grouped-GEMM padding path.
+
+:func:`enable_cpu_support` applies it only when no CUDA device is present; GPU runs never
+go through it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import resource
+import types
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["enable_cpu_support", "cpu_support_enabled"]
+
+_enabled = False
+
+
+def _process_memory_stats(*args, **kwargs) -> dict[str, int]:
+    """The process's peak resident memory, in the keys TorchTitan's monitor reads (the
+    peak is never reset on CPU: it is the peak since the process started)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    return {"active_bytes.all.peak": peak, "reserved_bytes.all.peak": peak}
+
+
+def _cpu_device_module() -> types.SimpleNamespace:
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return types.SimpleNamespace(
+        set_device=lambda *args, **kwargs: None,
+        current_device=lambda: 0,
+        device_count=lambda: 1,
+        synchronize=lambda *args, **kwargs: None,
+        get_device_name=lambda *args, **kwargs: "cpu",
+        get_device_properties=lambda *args, **kwargs: types.SimpleNamespace(total_memory=total),
+        memory_stats=_process_memory_stats,
+        reset_peak_memory_stats=lambda *args, **kwargs: None,
+        empty_cache=lambda *args, **kwargs: None,
+    )
+
+
+def _disable_fsdp_gradient_division_with_sum(model: nn.Module) -> None:
+    """TorchTitan's ``disable_fsdp_gradient_division``, reducing with SUM (gloo)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def _histc_any_dtype(histc):
+    @functools.wraps(histc)
+    def wrapper(input, *args, **kwargs):
+        if input.is_floating_point():
+            return histc(input, *args, **kwargs)
+        return histc(input.float(), *args, **kwargs).to(input.dtype)
+
+    return wrapper
+
+
+def cpu_support_enabled() -> bool:
+    return _enabled
+
+
+def enable_cpu_support() -> bool:
+    """Apply the CPU layer if there is no CUDA device. Returns whether it is active."""
+    global _enabled
+    if _enabled or torch.cuda.is_available():
+        return _enabled
+    import torchtitan.components.metrics as metrics
+    import torchtitan.distributed.parallel_dims as parallel_dims
+    import torchtitan.distributed.utils as dist_utils
+    import torchtitan.models.llama3.infra.parallelize as llama3_parallelize
+    import torchtitan.models.llama4.infra.parallelize as llama4_parallelize
+    import torchtitan.tools.profiling as profiling
+    import torchtitan.tools.utils as tools_utils
+    from torchtitan.models.qwen3 import qwen3_args
+
+    device_module = _cpu_device_module()
+    for module in (tools_utils, dist_utils, metrics):
+        module.device_type = "cpu"
+        module.device_module = device_module
+    parallel_dims.device_type = "cpu"
+    profiling.device_module = device_module
+    for module in (llama3_parallelize, llama4_parallelize):
+        module.disable_fsdp_gradient_division = _disable_fsdp_gradient_division_with_sum
+    torch.histc = _histc_any_dtype(torch.histc)
+    for args in qwen3_args.values():
+        args.moe_args.use_grouped_mm = False
+    _enabled = True
+    logger.info("TorchTitan CPU support enabled: device cpu, gloo, SUM reductions")
+    return True

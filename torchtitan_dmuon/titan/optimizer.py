@@ -1,0 +1,157 @@
+"""The optimizer side of the TorchTitan adapter: a container of ``torchtitan_dmuon.Muon``.
+
+One ``Muon`` per model part, inside TorchTitan's ``OptimizersContainer`` (so LR schedulers,
+step hooks such as MoE load balancing and float8 scale precomputation keep working).
+
+Its state dict is topology-independent: keys are ``state.<param fqn>.<key>`` with wrapper
+prefixes removed. An FSDP parameter's AdamW moments are DTensors (DCP reshards them); a
+dedicated matrix's momentum is one whole tensor that only its primary owner puts in the
+state dict, on save and on load alike, so it is saved once and a new topology's owner
+reads it whole.
+"""
+
+from __future__ import annotations
+
+import numbers
+import time
+
+import torch
+from torch import nn
+from torchtitan.components.optimizer import OptimizersContainer
+
+from torchtitan_dmuon.engine import get_dedication
+from torchtitan_dmuon.optimizer import Muon
+from torchtitan_dmuon.titan.parallelize import clean_fqn, dmuon_settings
+
+__all__ = ["DMuonOptimizersContainer", "build_dmuon_optimizers"]
+
+_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+}
+
+
+def _muon_kwargs(model: nn.Module, optimizer_config) -> dict:
+    settings = dmuon_settings(model)
+    if settings.ns_dtype not in _DTYPES:
+        raise ValueError(
+            f"[dmuon] ns_dtype must be one of {sorted(_DTYPES)}, got {settings.ns_dtype!r}"
+        )
+    return dict(
+        lr=settings.lr,
+        momentum=settings.momentum,
+        nesterov=settings.nesterov,
+        weight_decay=settings.weight_decay,
+        ns_steps=settings.ns_steps,
+        ns_coefficients=settings.ns_coefficients,
+        ns_dtype=_DTYPES[settings.ns_dtype],
+        ns_backend=settings.ns_backend,
+        adjust_lr_fn=settings.adjust_lr_fn,
+        adamw_lr=optimizer_config.lr,
+        adamw_betas=(optimizer_config.beta1, optimizer_config.beta2),
+        adamw_eps=optimizer_config.eps,
+        adamw_weight_decay=optimizer_config.weight_decay,
+        replicate_async=settings.replicate_async,
+    )
+
+
+def _new_adamw_state(param: torch.Tensor, group: dict) -> dict:
+    """The zero state torch.optim.AdamW creates at its first step (DCP loads into it)."""
+    if group["fused"] or group["capturable"]:
+        step = torch.zeros((), dtype=torch.float32, device=param.device)
+    else:
+        step = torch.tensor(0.0, dtype=torch.float32)
+    return {
+        "step": step,
+        "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
+        "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
+    }
+
+
+class DMuonOptimizersContainer(OptimizersContainer):
+    """TorchTitan's optimizer container over one :class:`~torchtitan_dmuon.Muon` per part.
+
+    Attributes:
+        ns_seconds: Wall time spent in ``step()`` of the Muon part (Newton-Schulz and the
+            updates), summed since the container was built.
+    """
+
+    def __init__(self, model_parts: list[nn.Module], optimizer_config) -> None:
+        self.model_parts = model_parts
+        self.optimizers = [Muon(m, **_muon_kwargs(m, optimizer_config)) for m in model_parts]
+        self.ns_seconds = 0.0
+        self._validate_length(len(model_parts))
+        all_params = [p for opt in self.optimizers for g in opt.param_groups for p in g["params"]]
+        self._post_init(all_params, {"lr": optimizer_config.lr})
+
+    def step(self, *args, **kwargs) -> None:
+        start = time.perf_counter()
+        for optimizer in self.optimizers:
+            optimizer.step(*args, **kwargs)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.ns_seconds += time.perf_counter() - start
+
+    # ---- topology-independent state ------------------------------------------------------
+    def _entries(self):
+        """``(fqn, state dict of the parameter)`` for every parameter this rank saves and
+        loads, creating the zero state a fresh optimizer would (so keys exist before the
+        first step and DCP can load into them)."""
+        for model, optimizer in zip(self.model_parts, self.optimizers, strict=True):
+            fqns = {id(p): clean_fqn(n) for n, p in model.named_parameters()}
+            dedication = get_dedication(model)
+            for key, master in dedication.primary_params():
+                state = optimizer.state[key]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(master)
+                yield fqns[id(key)], state
+            group = optimizer.param_groups[1]
+            for p in group["params"]:
+                state = optimizer.state[p]
+                if not state:
+                    state.update(_new_adamw_state(p, group))
+                yield fqns[id(p)], state
+
+    @staticmethod
+    def _hyperparameters(optimizer: Muon):
+        """``(key in the state dict, group, key in the group)`` of the numeric group values."""
+        for group, kind in zip(optimizer.param_groups, ("muon", "adamw"), strict=True):
+            for key, value in group.items():
+                if isinstance(value, numbers.Number) and not isinstance(value, bool):
+                    yield f"param_groups.{kind}.{key}", group, key
+
+    def state_dict(self) -> dict:
+        sd = {
+            f"state.{fqn}.{key}": value
+            for fqn, state in self._entries()
+            for key, value in state.items()
+        }
+        for name, group, key in self._hyperparameters(self.optimizers[0]):
+            sd[name] = group[key]
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        # DCP loads tensors in place into those state_dict() returned; a plain dict (not
+        # from DCP) is copied.
+        for fqn, state in self._entries():
+            for key, value in state.items():
+                loaded = state_dict.get(f"state.{fqn}.{key}")
+                if loaded is not None and loaded is not value:
+                    value.copy_(loaded)
+        for optimizer in self.optimizers:
+            for name, group, key in list(self._hyperparameters(optimizer)):
+                if name in state_dict:
+                    group[key] = state_dict[name]
+
+
+def build_dmuon_optimizers(
+    model_parts: list[nn.Module], optimizer_config, parallel_dims, ft_manager=None
+) -> DMuonOptimizersContainer:
+    """TorchTitan ``build_optimizers_fn`` for ``[optimizer] name = "DMuon"``."""
+    if optimizer_config.early_step_in_backward:
+        raise ValueError("[optimizer] early_step_in_backward is not supported with DMuon")
+    if ft_manager is not None and ft_manager.enabled:
+        raise ValueError("TorchFT is not supported with DMuon")
+    return DMuonOptimizersContainer(model_parts, optimizer_config)
