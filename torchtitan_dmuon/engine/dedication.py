@@ -429,6 +429,29 @@ class Dedication:
             if d.param in self.reduced_grads
         ]
 
+    def primary_params(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """``(param, master)`` of every matrix this rank is the primary owner of: what a
+        checkpoint saves from this rank (and loads into it)."""
+        return [
+            (d.param, unit.master_view(d))
+            for unit in self.units
+            if self.is_primary(unit)
+            for d in unit.params
+        ]
+
+    @torch.no_grad()
+    def refresh_from_masters(self) -> None:
+        """After the primaries' masters were overwritten (a checkpoint load): recompute the
+        compute-dtype values and, under HSDP, send them to the other replicas."""
+        if not self.initialized:
+            return
+        for unit in self.units:
+            if unit.master is not None:
+                unit.flat.copy_(unit.master)
+        if self.has_replicas:
+            self.wait_replicas()
+            self.broadcast_replicas(async_op=False)
+
     def before_step(self) -> None:
         if not self.initialized or self.synced_backwards == 0:
             raise RuntimeError(

@@ -20,7 +20,7 @@ from torch import nn
 from torchtitan_dmuon.engine.partition import PartitionItem, assign_owners
 from torchtitan_dmuon.optim.newton_schulz import ns_flops
 
-__all__ = ["Boundary", "DedicatedParam", "Unit", "build_plan"]
+__all__ = ["Boundary", "DedicatedParam", "Unit", "build_plan", "default_boundary_modules"]
 
 BoundaryPredicate = Callable[[str, nn.Module], bool]
 
@@ -99,7 +99,7 @@ class Boundary:
             yield from unit.params
 
 
-def _default_boundary_modules(model: nn.Module) -> set[nn.Module]:
+def default_boundary_modules(model: nn.Module) -> set[nn.Module]:
     """Blocks: modules held in an ``nn.ModuleList``/``nn.ModuleDict`` (what
     ``fully_shard`` is applied to in TorchTitan and most training scripts)."""
     blocks = set()
@@ -135,7 +135,7 @@ def build_plan(
     ``replicate_size * shard_size`` ranks.
     """
     if hook_boundary_predicate is None:
-        blocks = _default_boundary_modules(model)
+        blocks = default_boundary_modules(model)
 
         def hook_boundary_predicate(name: str, module: nn.Module) -> bool:
             return module in blocks

@@ -20,6 +20,7 @@ import ast
 import json
 import logging
 import pathlib
+import random
 import sysconfig
 
 logger = logging.getLogger(__name__)
@@ -69,14 +70,21 @@ def train_tokenizer(docs: list[str], out: pathlib.Path) -> None:
 
 def build(out: pathlib.Path) -> None:
     docs = stdlib_docstrings()
+    # File order groups documents by module; a fixed shuffle makes batches alike.
+    random.Random(0).shuffle(docs)
     corpus = out / "corpus"
     corpus.mkdir(parents=True, exist_ok=True)
     with open(corpus / "stdlib_docstrings.jsonl", "w", encoding="utf-8") as f:
         for doc in docs:
             f.write(json.dumps({"text": doc}) + "\n")
     train_tokenizer(docs, out / "tokenizer")
-    logger.info("wrote %d documents (%d chars) and a %d-token tokenizer to %s",
-                len(docs), sum(map(len, docs)), VOCAB_SIZE, out)
+    logger.info(
+        "wrote %d documents (%d chars) and a %d-token tokenizer to %s",
+        len(docs),
+        sum(map(len, docs)),
+        VOCAB_SIZE,
+        out,
+    )
 
 
 if __name__ == "__main__":

@@ -27,8 +27,9 @@ class DMuon:
     parameter, and every match must be a 2-D matrix. The rest goes to AdamW."""
 
     hook_boundaries: list[str] = field(default_factory=list)
-    """Glob patterns over module names whose hooks move the dedicated matrices beneath
-    them (the innermost match wins). Empty: each transformer block (align with fully_shard)."""
+    """Glob patterns over module names that become hook boundaries besides the transformer
+    blocks (the innermost boundary of a matrix drives its broadcasts and reduce), e.g.
+    ["layers.*.moe"] to align with MoE modules. Empty: the blocks only (as fully_shard)."""
 
     reshard_after_forward: bool = True
     """True: Z3 (free non-owned matrices after forward, broadcast again before backward).

@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan_dmuon.engine import dedicate_params
+from torchtitan_dmuon.engine.plan import default_boundary_modules
 from torchtitan_dmuon.titan.config import DMuon
 
 __all__ = ["DMUON", "clean_fqn", "dmuon_settings", "with_dedication"]
@@ -77,9 +78,12 @@ def _predicates(model: nn.Module, settings: DMuon):
         for pattern in settings.hook_boundaries:
             if not any(fnmatch.fnmatchcase(clean_fqn(n), pattern) for n in modules):
                 raise ValueError(f"[dmuon] hook_boundaries: pattern {pattern!r} matches no module")
+        blocks = default_boundary_modules(model)
 
         def boundary_predicate(name: str, module: nn.Module) -> bool:
-            return any(fnmatch.fnmatchcase(clean_fqn(name), p) for p in settings.hook_boundaries)
+            return module in blocks or any(
+                fnmatch.fnmatchcase(clean_fqn(name), p) for p in settings.hook_boundaries
+            )
 
     return predicate, boundary_predicate
 

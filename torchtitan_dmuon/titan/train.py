@@ -29,6 +29,7 @@ from torchtitan_dmuon.titan.parallelize import DMUON
 
 logger = logging.getLogger(__name__)
 
+
 class DMuonTrainer(Trainer):
     """TorchTitan's ``Trainer`` with DMuon's clipping, checkpoint state and metrics."""
 

@@ -1,0 +1,239 @@
+"""TorchTitan integration tests, in TorchTitan's style: a table of cases, each one or more
+real training runs through ./run_train.sh on CPU (gloo), asserting on the logged losses.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LOSS = re.compile(r"step:\s*(\d+)\s+loss:\s*(\S+)")
+# Six steps logged every step, fp32 Newton-Schulz so that runs compare to tight tolerances.
+SHORT = ["--training.steps", "6", "--metrics.log_freq", "1", "--dmuon.ns_dtype", "float32"]
+
+
+@dataclass
+class OverrideDefinitions:
+    """One integration case: ``override_args`` holds one argument list per run (runs in
+    order, sharing ``dump_folder``-relative checkpoints through ``{dump}``)."""
+
+    override_args: list[list[str]]
+    test_descr: str
+    test_name: str
+    ngpu: int | list[int] = 2
+    config_file: str = "train_configs/debug_cpu.toml"
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class Run:
+    returncode: int
+    output: str
+    losses: dict[int, float]
+
+
+def run_train(args: list[str], ngpu: int, dump: Path, config_file: str) -> Run:
+    env = dict(os.environ, NGPU=str(ngpu))
+    cmd = ["./run_train.sh", "--job.config_file", config_file, "--job.dump_folder", str(dump)]
+    proc = subprocess.run(
+        [*cmd, *[a.replace("{dump}", str(dump.parent)) for a in args]],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    output = proc.stdout + proc.stderr
+    losses = {int(s): float(v) for s, v in LOSS.findall(output)}
+    return Run(proc.returncode, output, losses)
+
+
+def run_case(case: OverrideDefinitions, tmp_path: Path) -> list[Run]:
+    ngpus = case.ngpu if isinstance(case.ngpu, list) else [case.ngpu] * len(case.override_args)
+    runs = []
+    for i, (args, ngpu) in enumerate(zip(case.override_args, ngpus, strict=True)):
+        run = run_train(args, ngpu, tmp_path / f"run{i}", case.config_file)
+        assert run.returncode == 0, f"{case.test_name} run {i} failed:\n{run.output[-4000:]}"
+        assert run.losses and all(math.isfinite(v) for v in run.losses.values()), run.output[-2000:]
+        runs.append(run)
+    return runs
+
+
+CHECKPOINT = ["--checkpoint.enable", "--checkpoint.interval", "3"]
+RESUME = [
+    "--checkpoint.enable",
+    "--checkpoint.initial_load_path",
+    "{dump}/run0/checkpoint/step-3",
+    "--checkpoint.no-initial_load_model_only",
+]
+HSDP = ["--parallelism.data_parallel_replicate_degree", "2"]
+
+CASES = {
+    "fsdp_z3_z2": OverrideDefinitions(
+        [SHORT, [*SHORT, "--dmuon.no-reshard_after_forward"]],
+        "FSDP-Z3 and FSDP-Z2: bit-identical losses",
+        "fsdp_z3_z2",
+    ),
+    "hsdp_sync_async": OverrideDefinitions(
+        [SHORT + HSDP, [*SHORT, *HSDP, "--dmuon.replicate_async"]],
+        "HSDP 2x2, sync and async replicate broadcast: bit-identical losses",
+        "hsdp_sync_async",
+        ngpu=4,
+    ),
+    "checkpoint_resume": OverrideDefinitions(
+        [SHORT + CHECKPOINT, SHORT + RESUME],
+        "Checkpoint at step 3, resume on the same topology: bit-exact losses",
+        "checkpoint_resume",
+    ),
+    "checkpoint_reshard": OverrideDefinitions(
+        [
+            SHORT + CHECKPOINT,
+            SHORT + RESUME + HSDP,
+            [*SHORT, *RESUME, "--checkpoint.exclude_from_loading", "dataloader"],
+        ],
+        "Saved by 4 ranks FSDP-Z3, loaded by 2x2 HSDP and by 2 ranks FSDP",
+        "checkpoint_reshard",
+        ngpu=[4, 4, 2],
+    ),
+    "compile": OverrideDefinitions(
+        [SHORT, [*SHORT, "--compile.enable", "--compile.components", "model"]],
+        "Per-block torch.compile with DMuon",
+        "compile",
+    ),
+    "float8": OverrideDefinitions(
+        [
+            SHORT,
+            [
+                *SHORT,
+                "--model.converters",
+                "quantize.linear.float8",
+                "--quantize.linear.float8.emulate",
+            ],
+        ],
+        "float8 linear layers (torchao, emulated on CPU) with DMuon",
+        "float8",
+    ),
+    "gradient_accumulation": OverrideDefinitions(
+        [
+            [*SHORT, "--training.local_batch_size", "8"],
+            [*SHORT, "--training.local_batch_size", "4", "--training.global_batch_size", "16"],
+        ],
+        "Gradient accumulation (2 micro-batches of 4) equals one batch of 8",
+        "gradient_accumulation",
+    ),
+    "moe": OverrideDefinitions(
+        [["--training.steps", "4", "--metrics.log_freq", "1"]],
+        "llama4 debug MoE, MoE modules as hook boundaries",
+        "moe",
+        config_file="train_configs/llama4_debug_moe.toml",
+    ),
+    "adamw_baseline": OverrideDefinitions(
+        [[*SHORT[:4], "--optimizer.name", "AdamW"]],
+        "AdamW baseline through the same train specs (DMuon off)",
+        "adamw_baseline",
+    ),
+}
+
+
+def _values(run: Run, steps) -> list[float]:
+    return [run.losses[s] for s in steps]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_integration(name, tmp_path):
+    case = CASES[name]
+    runs = run_case(case, tmp_path)
+    steps = range(1, 7)
+    if name == "fsdp_z3_z2":
+        assert _values(runs[0], steps) == _values(runs[1], steps)
+    elif name == "hsdp_sync_async":
+        assert _values(runs[0], steps) == _values(runs[1], steps)
+        assert "dmuon:" in runs[1].output
+    elif name == "checkpoint_resume":
+        assert sorted(runs[1].losses) == [4, 5, 6]
+        assert _values(runs[1], [4, 5, 6]) == _values(runs[0], [4, 5, 6])
+    elif name == "checkpoint_reshard":
+        saved, hsdp, two_ranks = runs
+        # 2x2 HSDP reads the same data as the 4 saving ranks: the curve continues.
+        assert _values(hsdp, [4, 5, 6]) == pytest.approx(_values(saved, [4, 5, 6]), rel=1e-4)
+        # 2 ranks restart the data stream, but from the trained weights, not from scratch.
+        assert sorted(two_ranks.losses) == [4, 5, 6]
+        assert two_ranks.losses[4] < saved.losses[1] - 0.1
+    elif name == "compile":
+        assert _values(runs[1], steps) == pytest.approx(_values(runs[0], steps), rel=1e-3)
+    elif name == "float8":
+        assert _values(runs[1], steps) == pytest.approx(_values(runs[0], steps), rel=2e-2)
+    elif name == "gradient_accumulation":
+        assert _values(runs[1], steps) == pytest.approx(_values(runs[0], steps), rel=1e-4)
+    elif name == "moe":
+        assert "dedicate_params: 42 matrices, 9 boundaries" in runs[0].output
+        assert runs[0].losses[4] < runs[0].losses[1]
+    elif name == "adamw_baseline":
+        assert "dmuon:" not in runs[0].output
+        assert runs[0].losses[6] < runs[0].losses[1]
+
+
+def test_default_config_loss_falls(tmp_path):
+    """./run_train.sh with no argument: the embedded default trains and its loss falls."""
+    run = run_train([], 2, tmp_path / "default", "train_configs/debug_cpu.toml")
+    assert run.returncode == 0, run.output[-4000:]
+    steps = sorted(run.losses)
+    assert steps[-1] == 60
+    first, last = run.losses[steps[0]], run.losses[steps[-1]]
+    assert last < first - 1.0, run.losses
+    assert "dmuon: ns+update" in run.output and "owner balance" in run.output
+
+
+BAD_INPUT = [
+    (["--dmuon.bogus", "1"], 2, "Unrecognized options"),
+    (["--dmuon.params", "layers.*.nonexistent.weight"], 2, "matches no parameter"),
+    (["--dmuon.params", "layers.*.attention_norm.weight"], 2, "only 2-D matrices"),
+    (["--parallelism.tensor_parallel_degree", "2"], 2, "does not support tensor parallel"),
+    (["--dmuon.ns_dtype", "int8"], 2, "[dmuon] ns_dtype must be one of"),
+]
+
+
+@pytest.mark.parametrize("args, ngpu, message", BAD_INPUT)
+def test_bad_input_fails_before_training(args, ngpu, message, tmp_path):
+    run = run_train([*SHORT[:2], *args], ngpu, tmp_path / "bad", "train_configs/debug_cpu.toml")
+    assert run.returncode != 0
+    assert message in run.output
+    assert not run.losses
+
+
+def test_unknown_dmuon_key_in_toml(tmp_path):
+    config = (ROOT / "train_configs/debug_cpu.toml").read_text()
+    bad = tmp_path / "bad.toml"
+    bad.write_text(config.replace("[dmuon]\n", "[dmuon]\nns_stepz = 3\n"))
+    run = run_train([], 2, tmp_path / "bad", str(bad))
+    assert run.returncode != 0 and "Invalid field names" in run.output and "ns_stepz" in run.output
+
+
+def test_train_configs_parse():
+    """Every shipped config parses with the [dmuon] section (GPU ones are not run here)."""
+    code = (
+        "import sys, glob\n"
+        "from torchtitan.config import ConfigManager\n"
+        "for path in sorted(glob.glob('train_configs/*.toml')):\n"
+        "    cfg = ConfigManager().parse_args(['--job.config_file', path,\n"
+        "        '--job.custom_config_module', 'torchtitan_dmuon.titan.config'])\n"
+        "    assert cfg.optimizer.name == 'DMuon', path\n"
+        "    print(path, cfg.model.name, cfg.model.flavor, cfg.dmuon.reshard_after_forward,\n"
+        "          cfg.parallelism.data_parallel_replicate_degree)\n"
+    )
+    venv_python = ROOT / ".venv" / "bin" / "python"
+    proc = subprocess.run(
+        [str(venv_python), "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == len(list((ROOT / "train_configs").glob("*.toml")))
+    assert any("llama3_8b_hsdp_z3.toml llama3 8B True 2" in line for line in lines)
+    assert any("qwen3_8b_fsdp_z2.toml qwen3 8B False 1" in line for line in lines)
