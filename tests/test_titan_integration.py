@@ -237,3 +237,23 @@ def test_train_configs_parse():
     assert len(lines) == len(list((ROOT / "train_configs").glob("*.toml")))
     assert any("llama3_8b_hsdp_z3.toml llama3 8B True 2" in line for line in lines)
     assert any("qwen3_8b_fsdp_z2.toml qwen3 8B False 1" in line for line in lines)
+
+
+def test_config_file_named_last_is_used(tmp_path):
+    """TorchTitan's parser keeps the first --job.config_file; run_train.sh the last."""
+    env = dict(os.environ, NGPU="2")
+    cmd = [
+        "./run_train.sh",
+        "--job.config_file",
+        "train_configs/debug_cpu.toml",
+        "--job.config_file",
+        "train_configs/llama4_debug_moe.toml",
+        "--job.dump_folder",
+        str(tmp_path),
+        "--training.steps",
+        "1",
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    output = proc.stdout + proc.stderr
+    assert "Building llama4 debugmodel" in output and "Building llama3" not in output
