@@ -63,8 +63,9 @@ class DMuonTrainer(Trainer):
         self.metrics_processor.log = log_with_dmuon
 
     def _clip_grad_norm(self, parameters, max_norm, norm_type=2.0, **unused) -> torch.Tensor:
-        norms = [clip_grad_norm_(m, max_norm, norm_type) for m in self.model_parts]
-        return torch.stack(norms).pow(2).sum().sqrt()
+        # DMuon refuses pipeline parallelism, so there is exactly one model part.
+        (model,) = self.model_parts
+        return clip_grad_norm_(model, max_norm, norm_type)
 
     def _dmuon_metrics(self, step: int) -> dict[str, float]:
         """Per-step averages since the last logged step, this rank's view."""
