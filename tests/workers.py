@@ -18,6 +18,7 @@ from torchtitan_dmuon import (
     get_full_param,
     set_requires_gradient_sync,
 )
+from torchtitan_dmuon.engine.comm import CollectiveCounter
 
 MUON_KW = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.01)
 ADAMW_KW = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
@@ -240,48 +241,6 @@ def train_reference(
         "params": {n: p.detach().clone() for n, p in model.named_parameters()},
         "model": copy.deepcopy(model),
     }
-
-
-class CollectiveCounter:
-    """Counts the bytes each rank passes to torch.distributed collectives, by kind.
-
-    Wraps the ``torch.distributed`` functions themselves (FSDP2 and the engine both call
-    them through the module), independently of the engine's own accounting.
-    """
-
-    KINDS = {
-        "broadcast": lambda args, kw: args[0],
-        "reduce": lambda args, kw: args[0],
-        "all_reduce": lambda args, kw: args[0],
-        "all_gather_single": lambda args, kw: kw["output"] if "output" in kw else args[0],
-        "reduce_scatter_single": lambda args, kw: kw["input"] if "input" in kw else args[1],
-    }
-
-    def __init__(self) -> None:
-        self.bytes = dict.fromkeys(self.KINDS, 0)
-        self.calls = dict.fromkeys(self.KINDS, 0)
-        self._originals = {}
-
-    def __enter__(self):
-        for kind, pick in self.KINDS.items():
-            original = getattr(dist, kind)
-            self._originals[kind] = original
-
-            def wrapped(*args, _kind=kind, _pick=pick, _original=original, **kwargs):
-                t = _pick(args, kwargs)
-                self.bytes[_kind] += t.numel() * t.element_size()
-                self.calls[_kind] += 1
-                return _original(*args, **kwargs)
-
-            setattr(dist, kind, wrapped)
-        return self
-
-    def __exit__(self, *exc):
-        for kind, original in self._originals.items():
-            setattr(dist, kind, original)
-
-    def snapshot(self) -> dict:
-        return {"bytes": dict(self.bytes), "calls": dict(self.calls)}
 
 
 def train_configs(rank, world, configs):

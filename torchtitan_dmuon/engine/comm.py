@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-__all__ = ["CommStats", "broadcast", "reduce_sum", "all_reduce_sum"]
+__all__ = ["CollectiveCounter", "CommStats", "all_reduce_sum", "broadcast", "reduce_sum"]
 
 
 @dataclass
@@ -75,3 +75,52 @@ def all_reduce_sum(
     """Asynchronously SUM-all-reduce ``tensor`` (``group=None``: the default group)."""
     stats.record("all_reduce", tensor)
     return dist.all_reduce(tensor, group=group, op=dist.ReduceOp.SUM, async_op=True)
+
+
+class CollectiveCounter:
+    """Counts the payload bytes every ``torch.distributed`` collective gets on this rank,
+    by kind, while active (a context manager).
+
+    It wraps the ``torch.distributed`` functions themselves, so it sees FSDP2's, the
+    engine's and anyone else's collectives alike, independently of :class:`CommStats`.
+    The payload of a gather is its output and of a scatter its input (what crosses the
+    network per rank, up to the algorithm's constant).
+    """
+
+    _PAYLOAD = {
+        "broadcast": ("tensor", 0),
+        "reduce": ("tensor", 0),
+        "all_reduce": ("tensor", 0),
+        "all_gather_single": ("output", 0),
+        "all_gather_into_tensor": ("output_tensor", 0),
+        "reduce_scatter_single": ("input", 1),
+        "reduce_scatter_tensor": ("input", 1),
+        "all_to_all_single": ("output", 0),
+    }
+
+    def __init__(self) -> None:
+        self.bytes = Counter()
+        self.calls = Counter()
+        self._originals: dict[str, object] = {}
+
+    def __enter__(self) -> CollectiveCounter:
+        for kind, (keyword, position) in self._PAYLOAD.items():
+            original = getattr(dist, kind)
+            self._originals[kind] = original
+
+            def counted(*args, _kind=kind, _kw=keyword, _pos=position, _f=original, **kwargs):
+                tensor = kwargs[_kw] if _kw in kwargs else args[_pos]
+                self.bytes[_kind] += tensor.numel() * tensor.element_size()
+                self.calls[_kind] += 1
+                return _f(*args, **kwargs)
+
+            setattr(dist, kind, counted)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for kind, original in self._originals.items():
+            setattr(dist, kind, original)
+        self._originals.clear()
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        return {"bytes": dict(self.bytes), "calls": dict(self.calls)}
