@@ -63,8 +63,8 @@ constraints="$(mktemp)"
 trap 'rm -f "$constraints"' EXIT
 echo "torch==$torch_now" >"$constraints"
 
-log "installing torchtitan-dmuon (editable) with test and bench extras around torch $torch_now"
-"${PIP[@]}" install -c "$constraints" -e "$ROOT[test,bench]"
+log "installing torchtitan-dmuon (editable) with test, bench and peer extras around torch $torch_now"
+"${PIP[@]}" install -c "$constraints" -e "$ROOT[test,bench,peer-muon-fsdp2,peer-dtensor-muon]"
 
 # Offline training assets (a text corpus and its tokenizer), built locally, never downloaded.
 if [[ ! -f "$ASSETS/tokenizer/tokenizer.json" ]]; then

@@ -1,0 +1,513 @@
+"""Step-time benchmark: DMuon beside FSDP2+AdamW, naive FSDP2+Muon and PyPI peers, one run.
+
+    .venv/bin/python benchmarks/bench_step.py --nproc 4 --out outputs/bench_step
+
+launches ``--nproc`` local processes (gloo on CPU, NCCL on GPU). Every mode trains its own
+copy of the same model (same init, same data) and the modes take turns round by round, so
+machine drift hits all alike. Per mode it reports the median and spread of the step time
+(max over ranks), the optimizer-step time, the ratio to AdamW, the ideal bound (AdamW's
+step plus the job's Newton-Schulz time divided by the world size), payload bytes per rank
+per step by collective kind (counted by wrapping torch.distributed), Newton-Schulz FLOPs
+per rank (max / mean), peak memory per rank (max over ranks: persistent state plus the
+largest transient allocation during a profiled step) and the final loss. It prints a table
+and writes ``results.json`` and ``step_time.png`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_model import BenchTransformer, matrix_predicate, ns_to_compute_ratio  # noqa: E402
+from naive_muon import NaiveFSDPMuon  # noqa: E402
+from peers import PEERS, peer_status  # noqa: E402
+
+import torchtitan_dmuon as dmuon  # noqa: E402
+from torchtitan_dmuon.engine.comm import CollectiveCounter  # noqa: E402
+from torchtitan_dmuon.optim.newton_schulz import newton_schulz, ns_flops, resolve_ns_schedule  # noqa: E402
+
+BASE_MODES = ["adamw", "naive_muon", "dmuon_z3", "dmuon_z2"]
+HSDP_MODES = ["hsdp_sync", "hsdp_async"]
+MUON_LR, ADAMW_LR, MOMENTUM = 0.02, 3e-3, 0.95
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", dist.get_rank())))
+    return torch.device("cpu")
+
+
+def _build(mode: str, args, world: int, device: torch.device):
+    """Model (sharded as the mode wants) and its optimizer."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = BenchTransformer(args.vocab, args.dim, args.layers, args.heads)
+    if mode.startswith("hsdp"):
+        mesh = init_device_mesh(device.type, (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        dmuon.dedicate_params(
+            model, mesh["shard"], matrix_predicate, replicate_mesh=mesh["replicate"]
+        )
+    else:
+        mesh = init_device_mesh(device.type, (world,))
+        if mode.startswith("dmuon"):
+            dmuon.dedicate_params(
+                model, mesh, matrix_predicate, reshard_after_forward=mode == "dmuon_z3"
+            )
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    ns_dtype = getattr(torch, args.ns_dtype)
+    if mode == "adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=ADAMW_LR, betas=(0.9, 0.95))
+    elif mode == "naive_muon":
+        opt = NaiveFSDPMuon(
+            model,
+            matrix_predicate,
+            lr=MUON_LR,
+            momentum=MOMENTUM,
+            weight_decay=0.0,
+            ns_dtype=ns_dtype,
+            adamw_lr=ADAMW_LR,
+        )
+    elif mode in PEERS:
+        opt = PEERS[mode](
+            model,
+            mesh,
+            lr=MUON_LR,
+            momentum=MOMENTUM,
+            adamw_lr=ADAMW_LR,
+            predicate=matrix_predicate,
+        )
+    else:
+        opt = dmuon.Muon(
+            model,
+            lr=MUON_LR,
+            momentum=MOMENTUM,
+            ns_dtype=ns_dtype,
+            adamw_lr=ADAMW_LR,
+            replicate_async=mode == "hsdp_async",
+        )
+    return model, opt
+
+
+def _batch(step: int, rank: int, args, device) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g).to(device)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _loss(model, inputs, targets) -> torch.Tensor:
+    logits = model(inputs)
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _persistent_bytes(model, opt) -> int:
+    """Bytes of the storages this rank holds between steps for the mode (parameters as
+    stored here, gradients, optimizer state, owners' masters)."""
+    tensors = [p for p in model.parameters()] + [p.grad for p in model.parameters()]
+    optimizers = getattr(opt, "optimizers", None) or [getattr(opt, "adamw", None), opt]
+    for o in optimizers:
+        for state in getattr(o, "state", {}).values():
+            tensors += [v for v in state.values() if torch.is_tensor(v)]
+    tensors += list(getattr(opt, "buffers", {}).values())
+    dedication = dmuon.get_dedication(model)
+    if dedication is not None:
+        tensors += [u.master for u in dedication.units if u.master is not None]
+        tensors += list(dedication.reduced_grads.values())
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        t = t.to_local() if isinstance(t, DTensor) else t
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen and storage.nbytes() > 0:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+def _transient_peak(step_fn) -> int:
+    """Largest net allocation during ``step_fn`` (CPU: profiler allocation events)."""
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        step_fn()
+        return torch.cuda.max_memory_allocated() - before
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step_fn()
+    running = peak = 0
+    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+        running += event.self_cpu_memory_usage
+        peak = max(peak, running)
+    return peak
+
+
+def _ns_seconds(model, args, device) -> float:
+    """This rank's time to orthogonalize one of each matrix once (the job's NS time per
+    step is that times one, spread over the world by DMuon, repeated by naive Muon)."""
+    schedule = resolve_ns_schedule("quintic", 5)
+    dtype = getattr(torch, args.ns_dtype)
+    shapes = [tuple(p.shape) for n, p in model.named_parameters() if matrix_predicate(n, p)]
+    grads = [torch.randn(s, device=device) for s in shapes]
+    times = []
+    for _ in range(3):
+        _sync(device)
+        start = time.perf_counter()
+        for g in grads:
+            newton_schulz(g, schedule, dtype=dtype)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def worker(rank: int, world: int, args, store: str, result_path: str) -> None:
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
+    device = _device()
+    modes = list(args.modes)
+    runs = {m: _build(m, args, world, device) for m in modes}
+    step = {m: 0 for m in modes}
+    times = {m: {"step": [], "fwd_bwd": [], "optimizer": []} for m in modes}
+    collectives = {}
+    losses = {m: [] for m in modes}
+
+    def train_step(mode: str, record: bool) -> None:
+        model, opt = runs[mode]
+        inputs, targets = _batch(step[mode], rank, args, device)
+        dist.barrier()
+        _sync(device)
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss = _loss(model, inputs, targets)
+        loss.backward()
+        _sync(device)
+        t1 = time.perf_counter()
+        opt.step()
+        _sync(device)
+        t2 = time.perf_counter()
+        step[mode] += 1
+        losses[mode].append(loss.item())
+        if record:
+            times[mode]["step"].append(t2 - t0)
+            times[mode]["fwd_bwd"].append(t1 - t0)
+            times[mode]["optimizer"].append(t2 - t1)
+
+    for round_index in range(args.rounds + 1):  # round 0 warms up
+        for mode in modes:
+            for _ in range(args.steps_per_round):
+                train_step(mode, record=round_index > 0)
+
+    memory, ns_flops_rank = {}, {}
+    for mode in modes:
+        model, opt = runs[mode]
+        with CollectiveCounter() as counter:
+            train_step(mode, record=False)
+        collectives[mode] = counter.snapshot()
+        persistent = _persistent_bytes(model, opt)
+        memory[mode] = persistent + _transient_peak(lambda m=mode: train_step(m, record=False))
+        ns_flops_rank[mode] = _ns_flops_per_step(mode, model, opt)
+
+    # Compute-only reference: forward+backward of an unsharded copy, no communication.
+    torch.manual_seed(0)
+    with torch.device(device):
+        local = BenchTransformer(args.vocab, args.dim, args.layers, args.heads)
+    compute = []
+    for i in range(args.rounds * args.steps_per_round // 2 + 2):
+        inputs, targets = _batch(i, rank, args, device)
+        _sync(device)
+        t0 = time.perf_counter()
+        _loss(local, inputs, targets).backward()
+        _sync(device)
+        compute.append(time.perf_counter() - t0)
+    result = {
+        "rank": rank,
+        "times": times,
+        "collectives": collectives,
+        "memory": memory,
+        "ns_flops": ns_flops_rank,
+        "losses": losses,
+        "compute_fwd_bwd": statistics.median(compute[2:]),
+        "ns_seconds_all_matrices": _ns_seconds(local, args, device),
+    }
+    gathered = [None] * world
+    dist.all_gather_object(gathered, result)
+    if rank == 0:
+        Path(result_path).write_text(json.dumps(gathered))
+    runs.clear()
+    del local
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _ns_flops_per_step(mode: str, model, opt) -> int | None:
+    """Newton-Schulz FLOPs this rank runs per step (None: not instrumented, for peers)."""
+    all_matrices = sum(
+        ns_flops(p.shape, 5) for n, p in model.named_parameters() if matrix_predicate(n, p)
+    )
+    if mode == "adamw":
+        return 0
+    if mode == "naive_muon":
+        return all_matrices
+    dedication = dmuon.get_dedication(model)
+    if dedication is None:
+        return None
+    return sum(ns_flops(p.shape, 5) for p, _ in dedication.primary_params())
+
+
+def _median_of_max(per_rank: list[list[float]]) -> tuple[float, float, float]:
+    """Median, 10th and 90th percentile over steps of the slowest rank's time."""
+    slowest = [max(values) for values in zip(*per_rank, strict=True)]
+    q = statistics.quantiles(slowest, n=10) if len(slowest) > 1 else [slowest[0]] * 9
+    return statistics.median(slowest), q[0], q[-1]
+
+
+def summarize(results: list[dict], modes: list[str], world: int) -> dict:
+    ns_all = statistics.median(r["ns_seconds_all_matrices"] for r in results)
+    compute = statistics.median(r["compute_fwd_bwd"] for r in results)
+    rows = {}
+    for mode in modes:
+        step, p10, p90 = _median_of_max([r["times"][mode]["step"] for r in results])
+        fwd_bwd = _median_of_max([r["times"][mode]["fwd_bwd"] for r in results])[0]
+        optimizer = _median_of_max([r["times"][mode]["optimizer"] for r in results])[0]
+        kinds = sorted({k for r in results for k in r["collectives"][mode]["bytes"]})
+        flops = [r["ns_flops"][mode] for r in results]
+        rows[mode] = {
+            "step_ms": 1e3 * step,
+            "step_ms_p10": 1e3 * p10,
+            "step_ms_p90": 1e3 * p90,
+            "fwd_bwd_ms": 1e3 * fwd_bwd,
+            "optimizer_ms": 1e3 * optimizer,
+            "exposed_comm_ms": 1e3 * max(fwd_bwd - compute, 0.0),
+            "bytes_per_rank": {
+                k: max(r["collectives"][mode]["bytes"].get(k, 0) for r in results) for k in kinds
+            },
+            "ns_gflops_per_rank_max": None if None in flops else max(flops) / 1e9,
+            "ns_flops_balance": None
+            if None in flops or not any(flops)
+            else max(flops) / (sum(flops) / len(flops)),
+            "peak_memory_mb": max(r["memory"][mode] for r in results) / 2**20,
+            "final_loss": statistics.mean(r["losses"][mode][-1] for r in results),
+        }
+    adamw = rows["adamw"]["step_ms"]
+    for row in rows.values():
+        row["ratio_to_adamw"] = row["step_ms"] / adamw
+        row["total_bytes_per_rank"] = sum(row["bytes_per_rank"].values())
+    return {
+        "rows": rows,
+        "compute_fwd_bwd_ms": 1e3 * compute,
+        "ns_ms_all_matrices_one_rank": 1e3 * ns_all,
+        "ideal_ms": adamw + 1e3 * ns_all / world,
+    }
+
+
+def goals(summary: dict, skipped: dict[str, str]) -> list[tuple[str, bool | None, str]]:
+    rows, ideal = summary["rows"], summary["ideal_ms"]
+    z3, z2, naive, adamw = rows["dmuon_z3"], rows["dmuon_z2"], rows["naive_muon"], rows["adamw"]
+    out = [
+        (
+            "DMuon optimizer step >= 3x faster than naive's",
+            naive["optimizer_ms"] / z3["optimizer_ms"] >= 3,
+            f"{naive['optimizer_ms'] / z3['optimizer_ms']:.2f}x",
+        ),
+        (
+            "DMuon step within 1.05x of the ideal bound",
+            z3["step_ms"] <= 1.05 * ideal,
+            f"{z3['step_ms'] / ideal:.3f}x of {ideal:.1f} ms",
+        ),
+        (
+            "DMuon step well below naive's",
+            z3["step_ms"] < naive["step_ms"],
+            f"{z3['step_ms']:.1f} vs {naive['step_ms']:.1f} ms",
+        ),
+        (
+            "DMuon Z2 bytes/rank/step <= 1.05x FSDP2+AdamW's",
+            z2["total_bytes_per_rank"] <= 1.05 * adamw["total_bytes_per_rank"],
+            f"{z2['total_bytes_per_rank'] / adamw['total_bytes_per_rank']:.3f}x",
+        ),
+        (
+            "DMuon Z3 peak memory/rank <= FSDP2+AdamW's",
+            z3["peak_memory_mb"] <= adamw["peak_memory_mb"],
+            f"{z3['peak_memory_mb']:.1f} vs {adamw['peak_memory_mb']:.1f} MiB",
+        ),
+    ]
+    for peer in PEERS:
+        if peer in rows:
+            out.append(
+                (
+                    f"DMuon ahead of {peer} on step time",
+                    z3["step_ms"] < rows[peer]["step_ms"],
+                    f"{z3['step_ms']:.1f} vs {rows[peer]['step_ms']:.1f} ms",
+                )
+            )
+        else:
+            out.append((f"DMuon ahead of {peer} on step time", None, skipped.get(peer, "")))
+    return out
+
+
+def print_table(summary: dict, skipped: dict[str, str], checks) -> None:
+    rows = summary["rows"]
+    header = (
+        f"{'mode':<12} {'step ms':>8} {'p10-p90':>13} {'x AdamW':>8} {'opt ms':>8} "
+        f"{'comm ms':>8} {'MB/rank':>8} {'NS GF max':>9} {'NS bal':>6} "
+        f"{'peak MiB':>9} {'loss':>7}"
+    )
+    print(header)
+    print("-" * len(header))
+    for mode, r in rows.items():
+        flops = (
+            "n/a" if r["ns_gflops_per_rank_max"] is None else f"{r['ns_gflops_per_rank_max']:.2f}"
+        )
+        balance = "-" if r["ns_flops_balance"] is None else f"{r['ns_flops_balance']:.2f}"
+        print(
+            f"{mode:<12} {r['step_ms']:8.1f} {r['step_ms_p10']:6.1f}-{r['step_ms_p90']:<6.1f} "
+            f"{r['ratio_to_adamw']:8.2f} {r['optimizer_ms']:8.1f} {r['exposed_comm_ms']:8.1f} "
+            f"{r['total_bytes_per_rank'] / 2**20:8.2f} {flops:>9} {balance:>6} "
+            f"{r['peak_memory_mb']:9.1f} {r['final_loss']:7.4f}"
+        )
+    print(
+        f"ideal bound (AdamW step + job NS time / world): {summary['ideal_ms']:.1f} ms; "
+        f"compute-only fwd+bwd {summary['compute_fwd_bwd_ms']:.1f} ms; NS of all matrices on "
+        f"one rank {summary['ns_ms_all_matrices_one_rank']:.1f} ms"
+    )
+    for mode, reason in skipped.items():
+        print(f"not run: {mode}: {reason}")
+    for name, ok, detail in checks:
+        verdict = "n/a " if ok is None else ("PASS" if ok else "MISS")
+        print(f"[{verdict}] {name}: {detail}")
+
+
+def plot(summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = summary["rows"]
+    modes = list(rows)
+    compute = [summary["compute_fwd_bwd_ms"]] * len(modes)
+    comm = [rows[m]["fwd_bwd_ms"] - summary["compute_fwd_bwd_ms"] for m in modes]
+    comm = [max(c, 0.0) for c in comm]
+    opt = [rows[m]["optimizer_ms"] for m in modes]
+    fig, ax = plt.subplots(figsize=(1.4 * len(modes) + 3, 4.5))
+    ax.bar(modes, compute, label="forward+backward compute")
+    ax.bar(modes, comm, bottom=compute, label="exposed communication (fwd/bwd)")
+    ax.bar(
+        modes,
+        opt,
+        bottom=[a + b for a, b in zip(compute, comm, strict=True)],
+        label="optimizer step",
+    )
+    ax.axhline(summary["ideal_ms"], color="k", linestyle="--", linewidth=1, label="ideal bound")
+    ax.set_ylabel("ms per step (slowest rank, median)")
+    ax.set_title("Step time per mode")
+    ax.legend(fontsize=8)
+    plt.xticks(rotation=20)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=4)
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=2048)
+    parser.add_argument("--seq", type=int, default=120)
+    parser.add_argument("--batch", type=int, default=2, help="sequences per rank")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--steps-per-round", type=int, default=3)
+    parser.add_argument("--ns-dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
+    parser.add_argument("--modes", nargs="*", default=None)
+    parser.add_argument("--out", type=Path, default=Path("outputs/bench_step"))
+    args = parser.parse_args()
+    if args.ns_dtype is None:
+        args.ns_dtype = "bfloat16" if torch.cuda.is_available() else "float32"
+    world = args.nproc
+    skipped = {}
+    if args.modes is None:
+        args.modes = list(BASE_MODES)
+        if world >= 4 and world % 2 == 0:
+            args.modes += HSDP_MODES
+        else:
+            skipped.update(dict.fromkeys(HSDP_MODES, "HSDP needs an even world size >= 4"))
+        for peer in PEERS:
+            reason = peer_status(peer)
+            if reason is None:
+                args.modes.append(peer)
+            else:
+                skipped[peer] = reason
+    model = BenchTransformer(args.vocab, args.dim, args.layers, args.heads)
+    ratio = ns_to_compute_ratio(model, args.batch * args.seq)
+    params = sum(p.numel() for p in model.parameters())
+    print(
+        f"model: dim {args.dim}, {args.layers} layers, {params / 1e6:.1f}M params; "
+        f"{args.batch}x{args.seq} tokens per rank; NS/compute ratio {ratio:.2f} (Llama-3 8B "
+        f"at 4096 tokens per rank: {ns_to_compute_ratio_8b():.2f}); {world} processes, "
+        f"{args.ns_dtype} NS"
+    )
+    args.out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        result_path = os.path.join(tmp, "results.json")
+        mp.spawn(worker, args=(world, args, os.path.join(tmp, "store"), result_path), nprocs=world)
+        results = json.loads(Path(result_path).read_text())
+    summary = summarize(results, args.modes, world)
+    checks = (
+        goals(summary, skipped) if {"dmuon_z3", "naive_muon", "adamw"} <= set(args.modes) else []
+    )
+    print_table(summary, skipped, checks)
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
+    if torch.cuda.is_available():
+        machine += ", " + torch.cuda.get_device_name()
+    record = {
+        "machine": machine,
+        "command": " ".join(sys.argv),
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "ns_to_compute_ratio": ratio,
+        "skipped": skipped,
+        "goals": [{"goal": n, "met": ok, "detail": d} for n, ok, d in checks],
+        **summary,
+    }
+    (args.out / "results.json").write_text(json.dumps(record, indent=2))
+    plot(summary, args.out / "step_time.png")
+    print(f"wrote {args.out / 'results.json'} and {args.out / 'step_time.png'}")
+
+
+def ns_to_compute_ratio_8b() -> float:
+    """The same ratio for Llama-3 8B's shapes at 4096 tokens per rank (meta device)."""
+    with torch.device("meta"):
+        model = BenchTransformer(vocab=128256, dim=4096, layers=32, heads=32)
+    return ns_to_compute_ratio(model, 4096)
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        main()
