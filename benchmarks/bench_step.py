@@ -239,7 +239,7 @@ def worker(rank: int, world: int, args, store: str, result_path: str) -> None:
     with torch.device(device):
         local = BenchTransformer(args.vocab, args.dim, args.layers, args.heads)
     compute = []
-    for i in range(args.rounds * args.steps_per_round // 2 + 2):
+    for i in range(max(args.rounds * args.steps_per_round // 2, 1) + 2):  # 2 warm-up
         inputs, targets = _batch(i, rank, args, device)
         _sync(device)
         t0 = time.perf_counter()

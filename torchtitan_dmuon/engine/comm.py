@@ -98,28 +98,46 @@ class CollectiveCounter:
         "all_to_all_single": ("output", 0),
     }
 
+    # DTensor redistributions (e.g. ``full_tensor()``) go through the functional
+    # collectives; a gather's payload is then its result.
+    _FUNCTIONAL = {
+        "all_gather_single": "result",
+        "reduce_scatter_single": "input",
+        "all_reduce": "input",
+    }
+
     def __init__(self) -> None:
         self.bytes = Counter()
         self.calls = Counter()
-        self._originals: dict[str, object] = {}
+        self._originals: list[tuple[object, str, object]] = []
+
+    def _wrap(self, module, kind: str, payload) -> None:
+        original = getattr(module, kind)
+        self._originals.append((module, kind, original))
+
+        def counted(*args, **kwargs):
+            result = original(*args, **kwargs)
+            tensor = payload(args, kwargs, result)
+            self.bytes[kind] += tensor.numel() * tensor.element_size()
+            self.calls[kind] += 1
+            return result
+
+        setattr(module, kind, counted)
 
     def __enter__(self) -> CollectiveCounter:
+        from torch.distributed import _functional_collectives as funcol
+
         for kind, (keyword, position) in self._PAYLOAD.items():
-            original = getattr(dist, kind)
-            self._originals[kind] = original
-
-            def counted(*args, _kind=kind, _kw=keyword, _pos=position, _f=original, **kwargs):
-                tensor = kwargs[_kw] if _kw in kwargs else args[_pos]
-                self.bytes[_kind] += tensor.numel() * tensor.element_size()
-                self.calls[_kind] += 1
-                return _f(*args, **kwargs)
-
-            setattr(dist, kind, counted)
+            self._wrap(
+                dist, kind, lambda a, kw, r, k=keyword, i=position: kw[k] if k in kw else a[i]
+            )
+        for kind, which in self._FUNCTIONAL.items():
+            self._wrap(funcol, kind, lambda a, kw, r, w=which: r if w == "result" else a[0])
         return self
 
     def __exit__(self, *exc) -> None:
-        for kind, original in self._originals.items():
-            setattr(dist, kind, original)
+        for module, kind, original in reversed(self._originals):
+            setattr(module, kind, original)
         self._originals.clear()
 
     def snapshot(self) -> dict[str, dict[str, int]]:

@@ -1,0 +1,87 @@
+"""TorchTitan debug model through ./run_train.sh: DMuon's throughput beside AdamW's.
+
+    .venv/bin/python benchmarks/bench_titan.py --nproc 2 --rounds 2 --out outputs/bench_titan
+
+Runs the default config (train_configs/debug_cpu.toml) once per mode per round, modes
+interleaved, and reads TorchTitan's own per-step tokens/s from the log (steps after the
+warm-up). Prints a table and writes ``results.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TPS = re.compile(r"step:\s*(\d+)\s+loss:\s*(\S+).*?tps:\s*([\d,]+)")
+MODES = {
+    "adamw": ["--optimizer.name", "AdamW"],
+    "dmuon_z3": [],
+    "dmuon_z2": ["--dmuon.no-reshard_after_forward"],
+}
+
+
+def run(mode: str, args, dump: Path) -> dict[int, tuple[float, float]]:
+    cmd = [
+        "./run_train.sh",
+        "--job.dump_folder", str(dump),
+        "--training.steps", str(args.steps),
+        "--metrics.log_freq", "1",
+        "--metrics.no-enable_tensorboard",
+        *MODES[mode],
+    ]  # fmt: skip
+    env = dict(os.environ, NGPU=str(args.nproc))
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    if out.returncode != 0:
+        raise RuntimeError(f"{mode} failed:\n{(out.stdout + out.stderr)[-3000:]}")
+    return {
+        int(s): (float(loss), float(tps.replace(",", "")))
+        for s, loss, tps in TPS.findall(out.stdout + out.stderr)
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=Path("outputs/bench_titan"))
+    args = parser.parse_args()
+    tps = {m: [] for m in MODES}
+    final_loss = {m: [] for m in MODES}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            for mode in MODES:
+                steps = run(mode, args, Path(tmp) / f"{mode}{r}")
+                tps[mode] += [v[1] for s, v in steps.items() if s > args.warmup]
+                final_loss[mode].append(steps[max(steps)][0])
+    adamw = statistics.median(tps["adamw"])
+    rows = {
+        m: {
+            "tps_median": statistics.median(v),
+            "step_time_ratio_to_adamw": adamw / statistics.median(v),
+            "final_loss": statistics.mean(final_loss[m]),
+        }
+        for m, v in tps.items()
+    }
+    print(f"{'mode':<10} {'tokens/s':>9} {'step x AdamW':>13} {'final loss':>11}")
+    for m, r in rows.items():
+        print(
+            f"{m:<10} {r['tps_median']:9.0f} {r['step_time_ratio_to_adamw']:13.2f} "
+            f"{r['final_loss']:11.4f}"
+        )
+    args.out.mkdir(parents=True, exist_ok=True)
+    config = {k: str(v) for k, v in vars(args).items()}
+    (args.out / "results.json").write_text(json.dumps({"config": config, "rows": rows}, indent=2))
+    print(f"wrote {args.out / 'results.json'}")
+
+
+if __name__ == "__main__":
+    main()
