@@ -174,14 +174,6 @@ class Dedication:
         """This rank is the unit's primary owner: master, momentum and Newton-Schulz."""
         return self.holds(unit) and unit.replica == self.replicate_rank
 
-    def owner_loads(self, ns_steps: int = 5) -> list[int]:
-        """NS FLOPs per rank for one step, indexed by ``replica * G + column``."""
-        load = [0] * (self.shard_size * self.replicate_size)
-        for unit in self.units:
-            slot = unit.replica * self.shard_size + unit.column
-            load[slot] += sum(ns_flops(d.param.shape, ns_steps) for d in unit.params)
-        return load
-
     def balance(self) -> float:
         """Max over mean NS load over all ranks (1.0 is perfect)."""
         items, owners = [], []
@@ -445,12 +437,15 @@ class Dedication:
         compute-dtype values and, under HSDP, send them to the other replicas."""
         if not self.initialized:
             return
-        for unit in self.units:
-            if unit.master is not None:
-                unit.flat.copy_(unit.master)
+        self._masters_to_flats()
         if self.has_replicas:
             self.wait_replicas()
             self.broadcast_replicas(async_op=False)
+
+    def _masters_to_flats(self) -> None:
+        for unit in self.units:
+            if unit.master is not None:
+                unit.flat.copy_(unit.master)
 
     def before_step(self) -> None:
         if not self.initialized or self.synced_backwards == 0:
@@ -466,9 +461,7 @@ class Dedication:
     def after_step(self) -> None:
         """Primaries copy updated masters into the compute-dtype values; under HSDP the new
         values go to the other replicas (asynchronously with ``replicate_async``)."""
-        for unit in self.units:
-            if unit.master is not None:
-                unit.flat.copy_(unit.master)
+        self._masters_to_flats()
         if self.has_replicas:
             self.broadcast_replicas(async_op=self.replicate_async)
         self.synced_backwards = 0
