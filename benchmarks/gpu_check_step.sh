@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One-GPU step benchmark for when an accelerator is lent, in under 5 minutes:
+#   1. DMuon vs FSDP2+AdamW vs naive FSDP2+Muon (and the peers) on the debug-size model,
+#   2. the same on a ~1B llama3-style model (dim 2048, 16 layers, 2 x 2048 tokens),
+#   3. the Newton-Schulz backend table (bench_ns.py).
+# Same output format as on CPU (results.json + step_time.png per model, bench_ns.json).
+# Usage: bash benchmarks/gpu_check_step.sh OUT_DIR   (or with $OUT set); PYTHON picks the
+# interpreter (default .venv/bin/python). QUICK=1 shrinks everything (a CPU dry run).
+set -uo pipefail
+out="${1:-${OUT:-}}"
+[ -n "$out" ] || { echo "usage: $0 OUT_DIR (or set OUT)" >&2; exit 2; }
+mkdir -p "$out"
+out="$(cd "$out" && pwd)"
+cd "$(dirname "$0")/.."
+py="${PYTHON:-.venv/bin/python}"
+status=0
+if [ -n "${QUICK:-}" ]; then
+  debug=(--dim 64 --layers 2 --heads 4 --vocab 256 --seq 16 --rounds 1 --steps-per-round 1)
+  large=(--dim 128 --layers 2 --heads 4 --vocab 256 --seq 32 --rounds 1 --steps-per-round 1)
+  ns=(--quick --reps 1)
+else
+  debug=(--dim 256 --layers 4 --heads 8 --seq 120 --batch 2)
+  large=(--dim 2048 --layers 16 --heads 16 --vocab 32768 --seq 2048 --batch 2 --rounds 3)
+  ns=()
+fi
+echo "== debug model" | tee "$out/debug.log"
+timeout 90 "$py" benchmarks/bench_step.py --nproc 1 "${debug[@]}" --out "$out/debug" \
+  2>&1 | tee -a "$out/debug.log" || status=1
+echo "== ~1B model" | tee "$out/1b.log"
+timeout 120 "$py" benchmarks/bench_step.py --nproc 1 "${large[@]}" --out "$out/1b" \
+  2>&1 | tee -a "$out/1b.log" || status=1
+echo "== Newton-Schulz backends" | tee "$out/ns.log"
+timeout 80 "$py" benchmarks/bench_ns.py "${ns[@]}" --out "$out/ns" 2>&1 | tee -a "$out/ns.log" || status=1
+exit $status
