@@ -162,6 +162,26 @@ def test_meta_device_init_rebinds_new_parameter_objects():
         assert torch.equal(meta_z3["params"][name], value), name
 
 
+def test_activation_checkpoint_recompute_inside_a_boundary():
+    """Backward recomputes a checkpointed block whose hooks are a boundary's: the recompute
+    must find the matrices materialized and must not free them (Z3) or issue collectives
+    out of order."""
+    configs = [
+        dict(steps=3, ns_dtype=torch.float32),
+        dict(steps=3, ns_dtype=torch.float32, checkpoint_blocks=True),
+        dict(steps=3, ns_dtype=torch.float32, checkpoint_blocks=True, z3=False),
+        dict(steps=3, ns_dtype=torch.float32, checkpoint_blocks="full"),
+    ]
+    by_rank = run_distributed(train_configs, 2, configs)
+    plain, checkpointed_z3, checkpointed_z2, full_recompute = by_rank[0]
+    assert full_recompute["losses"] == plain["losses"]
+    assert checkpointed_z3["boundaries"] == [
+        "layers.0._checkpoint_wrapped_module",
+        "layers.1._checkpoint_wrapped_module",
+    ]
+    assert checkpointed_z3["losses"] == plain["losses"] == checkpointed_z2["losses"]
+
+
 def root_boundary(name, module):
     """One boundary for the whole model."""
     return name == ""

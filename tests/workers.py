@@ -6,9 +6,11 @@ import copy
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from tests.models import batch, loss_fn, make_model, proj_predicate
 from torchtitan_dmuon import (
@@ -46,6 +48,10 @@ def full_params(model, dedication_names) -> dict[str, torch.Tensor]:
     return out
 
 
+def _inner_block(name, module):
+    return name.endswith("._checkpoint_wrapped_module")
+
+
 @torch.no_grad()
 def _copy_init_values(model, source):
     """Give ``model`` (sharded or not) the values of the plain module ``source``."""
@@ -77,6 +83,7 @@ def train_dmuon(
     snapshot_at=None,
     record_events_at=None,
     meta_init=False,
+    checkpoint_blocks=False,
 ):
     """Train the tiny transformer with DMuon; return losses, full params and counters.
 
@@ -96,6 +103,12 @@ def train_dmuon(
             model = make_model(seed=0, **(model_kwargs or {}))
     else:
         model = make_model(seed=0, **(model_kwargs or {}))
+    if checkpoint_blocks:
+        # Activation checkpointing around each block; the hook boundaries are the blocks
+        # inside the wrappers, so their hooks run again during the backward recompute.
+        for i, block in enumerate(model.layers):
+            model.layers[i] = checkpoint_wrapper(block)
+        hook_boundary_predicate = _inner_block
     dedication = dedicate_params(
         model,
         mesh,
@@ -143,8 +156,10 @@ def train_dmuon(
                 if sync_last_micro_batch_only:
                     set_requires_gradient_sync(model, micro == accum - 1)
                 inputs, targets = data_for(step * accum + micro, rank, world, same_data)
-                loss = loss_fn(model, inputs, targets) / accum
-                loss.backward()
+                # "full": recompute whole blocks (their post-forward hooks run in backward).
+                with set_checkpoint_early_stop(checkpoint_blocks != "full"):
+                    loss = loss_fn(model, inputs, targets) / accum
+                    loss.backward()
                 total += loss.detach()
             if clip is not None:
                 norms.append(clip_grad_norm_(model, clip).item())

@@ -109,6 +109,13 @@ class HookDriver:
 
     def pre_forward(self, b: int):
         def hook(module, args, kwargs):
+            if self._in_backward:
+                # Activation-checkpoint recompute: the values must be here (Z3 gathers them
+                # in backward order, as its pre-backward would), and nothing else happens.
+                if self.d.reshard_after_forward:
+                    self.backward_gathers.through(b)
+                    self._wait_gather(b)
+                return None
             self.d.record("forward", boundary=b)
             self.forward_gathers.through(b)
             self._wait_gather(b)
@@ -119,6 +126,8 @@ class HookDriver:
 
     def post_forward(self, b: int):
         def hook(module, args, kwargs, output):
+            if self._in_backward:  # recompute: backward still needs the values
+                return None
             if self.d.reshard_after_forward or not torch.is_grad_enabled():
                 self._free_boundary(b)
             self._register_pre_backward(output, lambda grad: self._pre_backward(b))
