@@ -188,7 +188,7 @@ def test_default_config_loss_falls(tmp_path):
     assert steps[-1] == 60
     first, last = run.losses[steps[0]], run.losses[steps[-1]]
     assert last < first - 1.0, run.losses
-    assert "dmuon: ns+update" in run.output and "owner balance" in run.output
+    assert "dmuon: optimizer step" in run.output and "owner balance" in run.output
 
 
 BAD_INPUT = [

@@ -74,14 +74,14 @@ class DMuonOptimizersContainer(OptimizersContainer):
     """TorchTitan's optimizer container over one :class:`~torchtitan_dmuon.Muon` per part.
 
     Attributes:
-        ns_seconds: Wall time spent in ``step()`` of the Muon part (Newton-Schulz and the
-            updates), summed since the container was built.
+        step_seconds: Wall time spent in ``step()`` (Newton-Schulz on the owned matrices,
+            the Muon and AdamW updates, HSDP broadcast launch), summed since construction.
     """
 
     def __init__(self, model_parts: list[nn.Module], optimizer_config) -> None:
         self.model_parts = model_parts
         self.optimizers = [Muon(m, **_muon_kwargs(m, optimizer_config)) for m in model_parts]
-        self.ns_seconds = 0.0
+        self.step_seconds = 0.0
         self._validate_length(len(model_parts))
         all_params = [p for opt in self.optimizers for g in opt.param_groups for p in g["params"]]
         self._post_init(all_params, {"lr": optimizer_config.lr})
@@ -92,7 +92,7 @@ class DMuonOptimizersContainer(OptimizersContainer):
             optimizer.step(*args, **kwargs)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        self.ns_seconds += time.perf_counter() - start
+        self.step_seconds += time.perf_counter() - start
 
     # ---- topology-independent state ------------------------------------------------------
     def _entries(self):

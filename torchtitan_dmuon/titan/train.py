@@ -43,7 +43,7 @@ class DMuonTrainer(Trainer):
         # gradients held by owners and fails on a mix of DTensor and plain gradients.
         dist_utils.clip_grad_norm_ = self._clip_grad_norm
         self._last_bytes: dict[str, int] = {}
-        self._last_ns_seconds = 0.0
+        self._last_step_seconds = 0.0
         self._last_step = 0
         log = self.metrics_processor.log
 
@@ -51,7 +51,7 @@ class DMuonTrainer(Trainer):
             extra = dict(extra_metrics or {})
             extra.update(self._dmuon_metrics(step))
             logger.info(
-                "dmuon: ns+update %.1f ms/step  reduce %.2f MB/step  broadcast %.2f MB/step  "
+                "dmuon: optimizer step %.1f ms  reduce %.2f MB/step  broadcast %.2f MB/step  "
                 "owner balance %.3f",
                 extra["dmuon/optimizer_ms"],
                 extra["dmuon/reduce_mb"],
@@ -75,9 +75,9 @@ class DMuonTrainer(Trainer):
             for kind, value in dedication.stats.bytes.items():
                 totals[kind] = totals.get(kind, 0) + value
         delta = {k: v - self._last_bytes.get(k, 0) for k, v in totals.items()}
-        ns_seconds = self.optimizers.ns_seconds
+        step_seconds = self.optimizers.step_seconds
         metrics = {
-            "dmuon/optimizer_ms": 1e3 * (ns_seconds - self._last_ns_seconds) / steps,
+            "dmuon/optimizer_ms": 1e3 * (step_seconds - self._last_step_seconds) / steps,
             "dmuon/reduce_mb": (delta.get("reduce", 0) + delta.get("replicate_reduce", 0))
             / steps
             / 2**20,
@@ -86,7 +86,7 @@ class DMuonTrainer(Trainer):
             / 2**20,
             "dmuon/owner_balance": max(d.balance() for d in self.dedications),
         }
-        self._last_bytes, self._last_ns_seconds, self._last_step = totals, ns_seconds, step
+        self._last_bytes, self._last_step_seconds, self._last_step = totals, step_seconds, step
         return metrics
 
 
