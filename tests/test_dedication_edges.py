@@ -12,10 +12,16 @@ from torch.distributed.tensor import DTensor
 
 from tests.dist import run_distributed
 from tests.models import BranchBlock, batch, loss_fn, make_model, proj_predicate
-from tests.workers import ADAMW_KW, MUON_KW, full_params, train_configs, train_reference
+from tests.workers import (
+    ADAMW_KW,
+    MUON_KW,
+    full_params,
+    reference_setup,
+    train_configs,
+    train_reference,
+)
 from torchtitan_dmuon import Muon, dedicate_params, get_dedication
 from torchtitan_dmuon.engine import fsdp_patch
-from torchtitan_dmuon.optim.newton_schulz import newton_schulz, resolve_ns_schedule
 
 BRANCH_STEPS = 3
 
@@ -59,18 +65,11 @@ def train_with_branch(rank, world, fsdp, z3):
 
 def branch_reference(world):
     """One process: the mean of the two ranks' losses, each with its own branch choice."""
-    torch.set_num_threads(1)
-    model = make_model(seed=0, block=BranchBlock)
-    muon = [p for n, p in model.named_parameters() if proj_predicate(n, p) and p.requires_grad]
-    ids = {id(p) for p in muon}
-    rest = [p for p in model.parameters() if id(p) not in ids and p.requires_grad]
-    import torch.optim._muon as muon_module
-
-    original = muon_module._zeropower_via_newtonschulz
-    muon_module._zeropower_via_newtonschulz = lambda g, coeffs, steps, eps: newton_schulz(
-        g, resolve_ns_schedule(coeffs, steps), eps=eps, dtype=torch.float32
-    )
-    try:
+    with reference_setup(torch.float32):
+        model = make_model(seed=0, block=BranchBlock)
+        muon = [p for n, p in model.named_parameters() if proj_predicate(n, p) and p.requires_grad]
+        ids = {id(p) for p in muon}
+        rest = [p for p in model.parameters() if id(p) not in ids and p.requires_grad]
         opts = [torch.optim.Muon(muon, **MUON_KW), torch.optim.AdamW(rest, **ADAMW_KW)]
         for step in range(BRANCH_STEPS):
             for o in opts:
@@ -83,8 +82,6 @@ def branch_reference(world):
             (total / world).backward()
             for o in opts:
                 o.step()
-    finally:
-        muon_module._zeropower_via_newtonschulz = original
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
 import torch.distributed as dist
+import torch.optim._muon as muon_module
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -21,6 +23,7 @@ from torchtitan_dmuon import (
     set_requires_gradient_sync,
 )
 from torchtitan_dmuon.engine.comm import CollectiveCounter
+from torchtitan_dmuon.optim.newton_schulz import newton_schulz, resolve_ns_schedule
 
 MUON_KW = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.01)
 ADAMW_KW = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
@@ -193,6 +196,29 @@ def train_dmuon(
     return result
 
 
+@contextlib.contextmanager
+def reference_setup(ns_dtype=torch.bfloat16):
+    """How one-process references run: single-threaded like the ranks (same reduction
+    order), and torch.optim.Muon's bf16 Newton-Schulz swapped for ours in ``ns_dtype``
+    when that is not bf16."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    original = muon_module._zeropower_via_newtonschulz
+    if ns_dtype != torch.bfloat16:
+
+        def ns(grad, coefficients, steps, eps):
+            return newton_schulz(
+                grad, resolve_ns_schedule(coefficients, steps), eps=eps, dtype=ns_dtype
+            )
+
+        muon_module._zeropower_via_newtonschulz = ns
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        muon_module._zeropower_via_newtonschulz = original
+
+
 def train_reference(
     world,
     *,
@@ -206,27 +232,11 @@ def train_reference(
 ):
     """One process: torch.optim.Muon on the dedicated matrices, torch.optim.AdamW on the
     rest, on the concatenation of every rank's batch."""
-    # Ranks run single-threaded; so does the reference, for the same reduction order.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    model = make_model(seed=0, **(model_kwargs or {}))
-    muon = [p for n, p in model.named_parameters() if predicate(n, p)]
-    ids = {id(p) for p in muon}
-    rest = [p for p in model.parameters() if id(p) not in ids]
-    if ns_dtype != torch.bfloat16:
-        # torch.optim.Muon always runs NS in bf16; the fp32 reference swaps in our fp32 NS.
-        from torchtitan_dmuon.optim.newton_schulz import newton_schulz, resolve_ns_schedule
-
-        def ns(grad, coefficients, steps_, eps):
-            return newton_schulz(
-                grad, resolve_ns_schedule(coefficients, steps_), eps=eps, dtype=ns_dtype
-            )
-
-        import torch.optim._muon as muon_module
-
-        original = muon_module._zeropower_via_newtonschulz
-        muon_module._zeropower_via_newtonschulz = ns
-    try:
+    with reference_setup(ns_dtype):
+        model = make_model(seed=0, **(model_kwargs or {}))
+        muon = [p for n, p in model.named_parameters() if predicate(n, p)]
+        ids = {id(p) for p in muon}
+        rest = [p for p in model.parameters() if id(p) not in ids]
         opts = [torch.optim.Muon(muon, **MUON_KW), torch.optim.AdamW(rest, **ADAMW_KW)]
         losses, norms = [], []
         for step in range(steps):
@@ -246,10 +256,6 @@ def train_reference(
             for o in opts:
                 o.step()
             losses.append(total)
-    finally:
-        torch.set_num_threads(threads)
-        if ns_dtype != torch.bfloat16:
-            muon_module._zeropower_via_newtonschulz = original
     return {
         "losses": losses,
         "norms": norms,
