@@ -63,27 +63,31 @@ def _unsupported(parallel_dims) -> list[str]:
     return [what for what, enabled in checks.items() if enabled]
 
 
+def _matches(name: str, patterns: list[str]) -> bool:
+    return any(fnmatch.fnmatchcase(clean_fqn(name), p) for p in patterns)
+
+
+def _check_each_matches(patterns: list[str], names: list[str], key: str, what: str) -> None:
+    for pattern in patterns:
+        if not any(_matches(n, [pattern]) for n in names):
+            raise ValueError(f"[dmuon] {key}: pattern {pattern!r} matches no {what}")
+
+
 def _predicates(model: nn.Module, settings: DMuon):
     names = [name for name, _ in model.named_parameters()]
-    for pattern in settings.params:
-        if not any(fnmatch.fnmatchcase(clean_fqn(n), pattern) for n in names):
-            raise ValueError(f"[dmuon] params: pattern {pattern!r} matches no parameter")
+    _check_each_matches(settings.params, names, "params", "parameter")
 
     def predicate(name: str, param: nn.Parameter) -> bool:
-        return any(fnmatch.fnmatchcase(clean_fqn(name), p) for p in settings.params)
+        return _matches(name, settings.params)
 
     boundary_predicate = None
     if settings.hook_boundaries:
         modules = [name for name, _ in model.named_modules()]
-        for pattern in settings.hook_boundaries:
-            if not any(fnmatch.fnmatchcase(clean_fqn(n), pattern) for n in modules):
-                raise ValueError(f"[dmuon] hook_boundaries: pattern {pattern!r} matches no module")
+        _check_each_matches(settings.hook_boundaries, modules, "hook_boundaries", "module")
         blocks = default_boundary_modules(model)
 
         def boundary_predicate(name: str, module: nn.Module) -> bool:
-            return module in blocks or any(
-                fnmatch.fnmatchcase(clean_fqn(name), p) for p in settings.hook_boundaries
-            )
+            return module in blocks or _matches(name, settings.hook_boundaries)
 
     return predicate, boundary_predicate
 
