@@ -127,7 +127,6 @@ class Muon(torch.optim.Optimizer):
         self.ns_dtype = ns_dtype
         self.ns_backend = ns_backend
         self.eps = eps
-        self.replicate_async = replicate_async
         self.ns_matrices = 0
         """Matrices this rank has orthogonalized so far (accounting and tests)."""
 
