@@ -8,9 +8,11 @@ in ``timeout`` seconds (a hang) is killed and fails the test.
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import multiprocessing as mp
 import os
+import signal
 import tempfile
 import time
 import traceback
@@ -23,6 +25,9 @@ DEFAULT_TIMEOUT = 240
 def _worker(fn, rank, world_size, store_path, result_path, args):
     import torch.distributed as dist
 
+    # On a hang the parent sends SIGUSR1 and reports where every thread of every rank waits.
+    stacks = open(result_path + ".stacks", "w")  # noqa: SIM115 - open until the process ends
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     torch.set_num_threads(1)
     try:
         dist.init_process_group(
@@ -36,6 +41,19 @@ def _worker(fn, rank, world_size, store_path, result_path, args):
     gc.collect()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _dump_stacks(procs, paths) -> str:
+    """Python stacks of the live ranks, read through their SIGUSR1 faulthandler."""
+    live = [(r, p) for r, p in enumerate(procs) if p.is_alive()]
+    for _, p in live:
+        os.kill(p.pid, signal.SIGUSR1)
+    time.sleep(2.0)
+    dumps = []
+    for r, _ in live:
+        with open(paths[r] + ".stacks") as f:
+            dumps.append(f"--- rank {r} stacks ---\n{f.read()}")
+    return "\n".join(dumps)
 
 
 def run_distributed(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT) -> list:
@@ -60,6 +78,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT
             time.sleep(0.05)
         failed_early = any(p.exitcode not in (None, 0) for p in procs)
         hung = [r for r, p in enumerate(procs) if p.is_alive() and not failed_early]
+        stacks = _dump_stacks(procs, paths) if hung else ""
         for p in procs:
             if p.is_alive():
                 p.kill()
@@ -76,7 +95,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT
             raise AssertionError("distributed run failed:\n" + "\n".join(errors))
         if hung:
             raise AssertionError(
-                f"distributed run hung: ranks {hung} still running after {timeout}s"
+                f"distributed run hung: ranks {hung} still running after {timeout}s\n{stacks}"
             )
         missing = [r for r, o in enumerate(outcomes) if o is None]
         if missing:

@@ -87,13 +87,16 @@ def train_dmuon(
     record_events_at=None,
     meta_init=False,
     checkpoint_blocks=False,
+    skewed_prefetch=False,
 ):
     """Train the tiny transformer with DMuon; return losses, full params and counters.
 
     ``hsdp_shape=(R, G)`` trains on a (replicate, shard) mesh; ``snapshot_at`` reads every
     dedicated value after that step (as a checkpoint save would); ``record_events_at``
     records the replicate-broadcast events from that step's optimizer step through the
-    next forward.
+    next forward; ``skewed_prefetch`` makes the forward prefetch decision (does the next
+    boundary's replica value land in time?) differ between the ranks of each shard group,
+    as timing can.
     """
     if hsdp_shape is None:
         mesh = fsdp_mesh = init_device_mesh("cpu", (world,))
@@ -120,6 +123,8 @@ def train_dmuon(
         reshard_after_forward=z3,
         hook_boundary_predicate=hook_boundary_predicate,
     )
+    if skewed_prefetch:
+        dedication.replicas_landed = lambda boundary: rank % 2 == 1
     if fsdp:
         fsdp_kwargs = {"mesh": fsdp_mesh}
         if mp_policy is not None:

@@ -13,7 +13,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-__all__ = ["CollectiveCounter", "CommStats", "all_reduce_sum", "broadcast", "reduce_sum"]
+__all__ = [
+    "CollectiveCounter",
+    "CommStats",
+    "all_reduce_sum",
+    "broadcast",
+    "engine_group",
+    "reduce_sum",
+]
 
 
 @dataclass
@@ -36,6 +43,26 @@ class CommStats:
 
     def snapshot(self) -> dict[str, dict[str, int]]:
         return {"bytes": dict(self.bytes), "calls": dict(self.calls)}
+
+
+def engine_group(group: dist.ProcessGroup, description: str) -> dist.ProcessGroup:
+    """A new process group over the ranks of ``group``, used by the engine alone.
+
+    FSDP2 issues its collectives on the mesh's groups. Sharing them would need the
+    engine's and FSDP2's collectives to interleave identically on every rank, and they do
+    not: whether the engine prefetches a unit depends on whether this rank's replicate
+    broadcast has landed yet, a question of timing. On groups of its own only the
+    engine's fixed per-pass order matters.
+
+    Only the members call this (local synchronization). Every rank creates its shard
+    group before its replicate group, the same global order, so the overlapping
+    creations cannot deadlock.
+    """
+    return dist.new_group(
+        dist.get_process_group_ranks(group),
+        use_local_synchronization=True,
+        group_desc=description,
+    )
 
 
 def broadcast(

@@ -103,12 +103,16 @@ class Dedication:
     ) -> None:
         self.model = model
         self.mesh = mesh
-        self.shard_group = mesh.get_group()
+        self.shard_group = comm.engine_group(mesh.get_group(), "dmuon_shard")
         self.shard_rank = mesh.get_local_rank()
         self.shard_size = mesh.size()
         self.replicate_mesh = replicate_mesh
         self.has_replicas = replicate_mesh is not None
-        self.replicate_group = replicate_mesh.get_group() if self.has_replicas else None
+        self.replicate_group = (
+            comm.engine_group(replicate_mesh.get_group(), "dmuon_replicate")
+            if self.has_replicas
+            else None
+        )
         self.replicate_rank = replicate_mesh.get_local_rank() if self.has_replicas else 0
         self.replicate_size = replicate_mesh.size() if self.has_replicas else 1
         self.boundaries = boundaries

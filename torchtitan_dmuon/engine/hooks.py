@@ -166,12 +166,20 @@ class HookDriver:
         self._prefetch(self.backward_gathers)
 
     def _prefetch(self, sequence: _Sequence) -> None:
-        """Start gathering the next boundary in ``sequence`` now, unless its values are
-        still arriving from the primary replica (then it is gathered when needed, and the
-        replicate broadcast keeps overlapping the current boundary's compute)."""
+        """Start gathering the next boundary in ``sequence`` now.
+
+        In forward, not while its values are still arriving from the primary replica:
+        then it is gathered when needed, and the replicate broadcast keeps overlapping the
+        current boundary's compute. That choice depends on timing, so it differs between
+        ranks; it only moves *when* a gather is issued, never the order, because in
+        forward the engine's groups (its own, see :func:`comm.engine_group`) carry nothing
+        but this sequence. Backward comes after every forward gather waited for its
+        replica, so there nothing is in flight and gathers interleave with the reduces in
+        the same order on every rank.
+        """
         if sequence.next < len(sequence.order):
             upcoming = sequence.order[sequence.next]
-            if self.d.replicas_landed(upcoming):
+            if self._in_backward or self.d.replicas_landed(upcoming):
                 sequence.through(upcoming)
 
     def register_param_hook(self, param: torch.Tensor, b: int) -> None:
