@@ -42,6 +42,44 @@ class BranchBlock(Block):
         return x
 
 
+class ExpertBlock(Block):
+    """A block with a soft mixture of experts whose matrices are stored stacked, as
+    TorchTitan's MoE layers store them: ``experts_proj`` is ``(experts, dim, hidden)``.
+
+    ``split=True`` holds the same values as one 2-D parameter per expert instead (the
+    same function and gradients): what torch.optim.Muon, which only takes matrices, steps
+    as the reference.
+    """
+
+    experts = 3
+
+    def __init__(self, dim: int, hidden: int, split: bool = False) -> None:
+        super().__init__(dim, hidden)
+        self.router = nn.Linear(dim, self.experts, bias=False)
+        stacked = torch.randn(self.experts, dim, hidden) / dim**0.5
+        self.expert_out = nn.Linear(hidden, dim, bias=False)
+        if split:
+            self.experts_proj_split = nn.ParameterList(nn.Parameter(w.clone()) for w in stacked)
+        else:
+            self.experts_proj = nn.Parameter(stacked)
+
+    def stacked_experts(self) -> torch.Tensor:
+        if hasattr(self, "experts_proj_split"):
+            return torch.stack(list(self.experts_proj_split))
+        return self.experts_proj
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = super().forward(x)
+        gate = torch.softmax(self.router(x), dim=-1)
+        hidden = torch.relu(torch.einsum("bsd,edh->bseh", x, self.stacked_experts()))
+        return x + self.expert_out(torch.einsum("bse,bseh->bsh", gate, hidden))
+
+
+class SplitExpertBlock(ExpertBlock):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__(dim, hidden, split=True)
+
+
 class TinyTransformer(nn.Module):
     def __init__(
         self, vocab: int = 64, dim: int = 32, hidden: int = 64, layers: int = 2, block=Block
@@ -61,6 +99,11 @@ class TinyTransformer(nn.Module):
 
 def proj_predicate(name: str, param: nn.Parameter) -> bool:
     return "proj" in name and param.ndim == 2
+
+
+def proj_or_experts_predicate(name: str, param: nn.Parameter) -> bool:
+    """The projection matrices and the stacked experts (2-D or 3-D)."""
+    return "proj" in name and param.ndim >= 2
 
 
 def make_model(seed: int = 0, **kwargs) -> TinyTransformer:

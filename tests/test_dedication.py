@@ -7,10 +7,17 @@ import pytest
 import torch
 
 from tests.dist import run_distributed
-from tests.models import make_model, proj_predicate
+from tests.models import (
+    ExpertBlock,
+    SplitExpertBlock,
+    make_model,
+    proj_or_experts_predicate,
+    proj_predicate,
+)
 from tests.workers import train_configs, train_reference
 
 STEPS = 10
+PROJ_NAMES = tuple(f"{n}_proj.weight" for n in ("q", "k", "v", "o", "up", "down"))
 
 
 def _padded_bytes(params, world):
@@ -131,3 +138,39 @@ def test_rank_that_owns_nothing_still_trains():
     for r in by_rank:
         assert r[0]["losses"] == pytest.approx(reference["losses"], rel=1e-4)
         _assert_params_close(r[0], reference, rtol=1e-4, atol=1e-5)
+
+
+def test_stacked_experts_have_one_owner_and_match_muon_per_expert():
+    """A 3-D experts weight is dedicated whole (one owner, one broadcast, NS batched over
+    its experts) and trains like torch.optim.Muon with one 2-D parameter per expert."""
+    experts = dict(
+        model_kwargs=dict(block=ExpertBlock),
+        predicate=proj_or_experts_predicate,
+        ns_dtype=torch.float32,
+        steps=6,
+    )
+    configs = [
+        dict(experts, fsdp=True, z3=True),
+        dict(experts, hsdp_shape=(2, 2), replicate_async=True),
+    ]
+    by_rank = run_distributed(train_configs, 4, configs)
+    reference = train_reference(
+        4, steps=6, ns_dtype=torch.float32, model_kwargs=dict(block=SplitExpertBlock)
+    )
+    ref_params = reference["params"]
+    for layer in range(2):
+        prefix = f"layers.{layer}.experts_proj_split."
+        split = [ref_params.pop(f"{prefix}{e}") for e in range(ExpertBlock.experts)]
+        ref_params[f"layers.{layer}.experts_proj"] = torch.stack(split)
+    for config_index in range(len(configs)):
+        runs = [r[config_index] for r in by_rank]
+        for result in runs:
+            assert result["losses"] == pytest.approx(reference["losses"], rel=1e-4)
+            _assert_params_close(result, reference, rtol=1e-4, atol=1e-5)
+        owners = [name for r in runs for name in r["owned"]]
+        assert sorted(owners) == sorted(
+            [f"layers.{i}.{n}" for i in range(2) for n in ("experts_proj",) + PROJ_NAMES]
+        )
+        # Every expert matrix is orthogonalized once per step, on its owner only.
+        matrices_per_step = 2 * (len(PROJ_NAMES) + ExpertBlock.experts)
+        assert sum(r["ns_matrices"] for r in runs) == 6 * matrices_per_step

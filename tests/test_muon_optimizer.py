@@ -5,7 +5,16 @@ import copy
 import pytest
 import torch
 
-from tests.models import batch, loss_fn, make_model, proj_predicate
+from tests.models import (
+    ExpertBlock,
+    SplitExpertBlock,
+    batch,
+    loss_fn,
+    make_model,
+    proj_or_experts_predicate,
+    proj_predicate,
+)
+from tests.workers import ADAMW_KW, as_muon_adamw_kwargs
 from torchtitan_dmuon import Muon
 
 
@@ -45,25 +54,43 @@ def test_bit_equal_to_torch_muon_and_adamw(adjust_lr_fn, nesterov, weight_decay)
     ours = Muon(
         ours_model,
         **common,
+        **as_muon_adamw_kwargs(ADAMW_KW),
         ns_coefficients="quintic",
-        adamw_lr=3e-3,
-        adamw_betas=(0.9, 0.95),
-        adamw_eps=1e-8,
-        adamw_weight_decay=0.01,
         predicate=proj_predicate,
     )
-    ref = _reference_optimizers(
-        ref_model,
-        proj_predicate,
-        dict(common, ns_steps=5),
-        dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01),
-    )
+    ref = _reference_optimizers(ref_model, proj_predicate, dict(common, ns_steps=5), ADAMW_KW)
     ours_losses = _train(ours_model, [ours], 10)
     ref_losses = _train(ref_model, ref, 10)
     assert ours_losses == ref_losses
     for (name, p), q in zip(ours_model.named_parameters(), ref_model.parameters(), strict=True):
         assert torch.equal(p, q), name
     assert ours.ns_matrices == 10 * 12  # 6 proj matrices x 2 layers, once per step
+
+
+@pytest.mark.parametrize("adjust_lr_fn", [None, "match_rms_adamw"])
+def test_stacked_experts_step_like_one_torch_muon_matrix_per_expert(adjust_lr_fn):
+    """A 3-D parameter is a stack of matrices: each is orthogonalized alone (batched with
+    the other same-shape matrices), exactly as torch.optim.Muon steps one 2-D parameter
+    per expert."""
+    ours_model = make_model(block=ExpertBlock)
+    ref_model = make_model(block=SplitExpertBlock)
+    common = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.1)
+    ours = Muon(
+        ours_model,
+        **common,
+        **as_muon_adamw_kwargs(ADAMW_KW),
+        adjust_lr_fn=adjust_lr_fn,
+        predicate=proj_or_experts_predicate,
+    )
+    ref = _reference_optimizers(
+        ref_model, proj_predicate, dict(common, adjust_lr_fn=adjust_lr_fn), ADAMW_KW
+    )
+    assert _train(ours_model, [ours], 6) == _train(ref_model, ref, 6)
+    for ours_layer, ref_layer in zip(ours_model.layers, ref_model.layers, strict=True):
+        assert torch.equal(ours_layer.experts_proj, ref_layer.stacked_experts())
+        assert torch.equal(ours_layer.router.weight, ref_layer.router.weight)
+    # 6 projections + 3 experts per layer, 2 layers, 6 steps.
+    assert ours.ns_matrices == 6 * 2 * (6 + ExpertBlock.experts)
 
 
 def test_default_predicate_takes_every_matrix():

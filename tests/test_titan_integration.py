@@ -129,8 +129,9 @@ CASES = {
         "gradient_accumulation",
     ),
     "moe": OverrideDefinitions(
-        [["--training.steps", "4", "--metrics.log_freq", "1"]],
-        "llama4 debug MoE, MoE modules as hook boundaries",
+        [SHORT + CHECKPOINT, SHORT + RESUME],
+        "llama4 debug MoE with the stacked routed experts dedicated, MoE and experts "
+        "modules as hook boundaries; checkpoint at step 3 and resume bit-exact",
         "moe",
         config_file="train_configs/llama4_debug_moe.toml",
     ),
@@ -173,8 +174,10 @@ def test_integration(name, tmp_path):
     elif name == "gradient_accumulation":
         assert _values(runs[1], steps) == pytest.approx(_values(runs[0], steps), rel=1e-4)
     elif name == "moe":
-        assert "dedicate_params: 42 matrices, 9 boundaries" in runs[0].output
-        assert runs[0].losses[4] < runs[0].losses[1]
+        # 42 matrices + 3 MoE layers x 3 stacked weights of 8 experts each.
+        assert "dedicate_params: 51 parameters (114 matrices), 12 boundaries" in runs[0].output
+        assert runs[0].losses[6] < runs[0].losses[1]
+        assert _values(runs[1], [4, 5, 6]) == _values(runs[0], [4, 5, 6])
     elif name == "adamw_baseline":
         assert "dmuon:" not in runs[0].output
         assert runs[0].losses[6] < runs[0].losses[1]

@@ -29,6 +29,11 @@ MUON_KW = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.01)
 ADAMW_KW = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
 
 
+def as_muon_adamw_kwargs(adamw_kwargs: dict) -> dict:
+    """torch.optim.AdamW's keyword arguments as Muon's ``adamw_*`` ones."""
+    return {f"adamw_{key}": value for key, value in adamw_kwargs.items()}
+
+
 def data_for(step: int, rank: int, world: int, same_data: bool, batch_size: int = 2):
     """This rank's micro-batch; the concatenation over ranks is the reference batch."""
     if same_data:
@@ -143,11 +148,8 @@ def train_dmuon(
     opt = Muon(
         model,
         **MUON_KW,
+        **as_muon_adamw_kwargs(ADAMW_KW),
         ns_dtype=ns_dtype,
-        adamw_lr=ADAMW_KW["lr"],
-        adamw_betas=ADAMW_KW["betas"],
-        adamw_eps=ADAMW_KW["eps"],
-        adamw_weight_decay=ADAMW_KW["weight_decay"],
         replicate_async=replicate_async,
     )
     losses, norms, per_step, snapshot, events = [], [], [], None, None

@@ -163,10 +163,10 @@ class Muon(torch.optim.Optimizer):
         for name, p in model.named_parameters():
             if not p.requires_grad or not predicate(name, p):
                 continue
-            if p.ndim != 2:
+            if p.ndim not in (2, 3):
                 raise ValueError(
                     f"parameter {name!r} of shape {tuple(p.shape)} was selected for Muon, "
-                    "which only takes 2-D matrices"
+                    "which only takes 2-D matrices and 3-D stacks of matrices (MoE experts)"
                 )
             selected.append(p)
         return selected

@@ -556,10 +556,10 @@ def _select(model: nn.Module, predicate: Predicate) -> list[tuple[str, nn.Parame
                 f"parameter {name!r} is shared with {names[1:]} (tied weights) and cannot be "
                 "dedicated; exclude it in the predicate"
             )
-        if p.ndim != 2:
+        if p.ndim not in (2, 3):
             raise ValueError(
                 f"predicate selected {name!r} of shape {tuple(p.shape)}; only 2-D matrices "
-                "can be dedicated"
+                "and 3-D stacks of matrices (MoE experts) can be dedicated"
             )
         if not p.requires_grad:
             frozen.append(name)
@@ -568,7 +568,7 @@ def _select(model: nn.Module, predicate: Predicate) -> list[tuple[str, nn.Parame
     if frozen:
         logger.info("dedicate_params: %d frozen matrices stay out of Muon: %s", len(frozen), frozen)
     if not selected:
-        raise ValueError("predicate selected no trainable 2-D parameter")
+        raise ValueError("predicate selected no trainable 2-D or 3-D parameter")
     return selected
 
 
@@ -631,9 +631,10 @@ def dedicate_params(
 
     register_hooks(dedication)
     logger.info(
-        "dedicate_params: %d matrices, %d boundaries, %d units over %d x %d ranks, "
-        "NS balance %.3f, %s",
+        "dedicate_params: %d parameters (%d matrices), %d boundaries, %d units over "
+        "%d x %d ranks, NS balance %.3f, %s",
         len(dedication.params),
+        sum(p.numel() // (p.shape[-2] * p.shape[-1]) for p in dedication.params),
         len(boundaries),
         len(dedication.units),
         dedication.replicate_size,

@@ -8,8 +8,11 @@ For each matrix parameter ``p`` with gradient ``g`` and momentum buffer ``buf``:
     p.mul_(1 - lr * weight_decay)                     # decoupled weight decay
     p.add_(o, alpha=-adjusted_lr(lr, p.shape))
 
-Same-shape matrices are stacked and orthogonalized as one batch. This module does not
-import ``torch.distributed``: the ownership engine decides which matrices a rank steps.
+A 3-D parameter is a stack of independent matrices (MoE experts stored as one
+``(experts, rows, cols)`` tensor): each matrix of the stack is orthogonalized on its own, as
+if it were a separate parameter. Matrices of the same shape, from any parameters, run as
+one batch. This module does not import ``torch.distributed``: the ownership engine decides
+which matrices a rank steps.
 """
 
 from __future__ import annotations
@@ -66,23 +69,31 @@ def muon_step(
     Matrices of the same shape, dtype and device are orthogonalized as one batch.
 
     Args:
-        params: Matrices to update.
+        params: Matrices (2-D) or stacks of matrices (3-D) to update.
         grads: Their gradients (same order).
         momentum_buffers: Their momentum buffers, updated in place.
         lr: Learning rate before the shape adjustment.
         weight_decay: Decoupled weight decay coefficient.
         momentum: EMA momentum factor in ``[0, 1)``.
         nesterov: Use the Nesterov look-ahead.
-        adjust_lr_fn: See :func:`adjusted_lr`.
+        adjust_lr_fn: See :func:`adjusted_lr` (per matrix: the last two dims).
         ns: The orthogonalization to use (a backend with its schedule bound).
 
     Returns:
-        The number of matrices orthogonalized (for accounting).
+        The number of matrices orthogonalized (a 3-D stack counts each of its matrices).
+
+    Raises:
+        ValueError: a parameter is neither 2-D nor 3-D.
     """
     buckets: dict[tuple, list[int]] = defaultdict(list)
     for i, p in enumerate(params):
-        buckets[(tuple(p.shape), p.dtype, p.device)].append(i)
+        if p.ndim not in (2, 3):
+            raise ValueError(
+                f"Muon updates 2-D matrices or 3-D stacks of matrices, got shape {tuple(p.shape)}"
+            )
+        buckets[(tuple(p.shape[-2:]), p.dtype, p.device)].append(i)
 
+    matrices = 0
     for indices in buckets.values():
         updates = []
         for i in indices:
@@ -92,9 +103,14 @@ def muon_step(
         if len(updates) == 1:
             orthogonal = [ns(updates[0])]
         else:
-            orthogonal = ns(torch.stack(updates)).unbind(0)
+            batch = torch.cat([u.reshape(-1, *u.shape[-2:]) for u in updates])
+            counts = [u.numel() // batch[0].numel() for u in updates]
+            orthogonal = [
+                o.reshape(u.shape) for o, u in zip(ns(batch).split(counts), updates, strict=True)
+            ]
         for i, o in zip(indices, orthogonal, strict=True):
             p = params[i]
             p.mul_(1 - lr * weight_decay)
             p.add_(o, alpha=-adjusted_lr(lr, adjust_lr_fn, p.shape))
-    return len(params)
+            matrices += p.numel() // (p.shape[-2] * p.shape[-1])
+    return matrices

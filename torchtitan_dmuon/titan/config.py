@@ -24,12 +24,15 @@ class DMuon:
     params: list[str] = field(default_factory=lambda: list(DEFAULT_PARAM_PATTERNS))
     """Glob patterns over parameter names (activation-checkpoint and compile wrapper
     prefixes removed) that select the matrices DMuon owns; each must match at least one
-    parameter, and every match must be a 2-D matrix. The rest goes to AdamW."""
+    parameter, and every match must be a 2-D matrix or a 3-D stack of matrices (MoE routed
+    experts, e.g. "layers.*.moe.experts.w[123]": one owner for the stack, each expert
+    orthogonalized on its own). The rest goes to AdamW."""
 
     hook_boundaries: list[str] = field(default_factory=list)
     """Glob patterns over module names that become hook boundaries besides the transformer
     blocks (the innermost boundary of a matrix drives its broadcasts and reduce), e.g.
-    ["layers.*.moe"] to align with MoE modules. Empty: the blocks only (as fully_shard)."""
+    ["layers.*.moe", "layers.*.moe.experts"] to align with MoE and expert modules. Empty:
+    the blocks only (as fully_shard)."""
 
     reshard_after_forward: bool = True
     """True: Z3 (free non-owned matrices after forward, broadcast again before backward).
