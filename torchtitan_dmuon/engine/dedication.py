@@ -140,6 +140,11 @@ class Dedication:
         """The :class:`~torchtitan_dmuon.engine.hooks.HookDriver` set by ``register_hooks``."""
         self._boundary_of_unit = {id(u): i for i, b in enumerate(boundaries) for u in b.units}
 
+    def process_groups(self) -> list[dist.ProcessGroup]:
+        """The engine's own groups (see :func:`comm.engine_group`): the shard group and,
+        under HSDP, the replicate group."""
+        return [g for g in (self.shard_group, self.replicate_group) if g is not None]
+
     # ---- parameters -------------------------------------------------------------------
     def bind_params(self) -> None:
         """Point the plan at the model's current parameter objects, found by name.

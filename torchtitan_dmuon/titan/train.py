@@ -10,14 +10,17 @@
 * the CPU layer (``titan/cpu.py``) where there is no GPU;
 * with DMuon on: DMuon's gradient clipping (correct over dedicated and FSDP parameters),
   topology-independent checkpoints of the dedicated matrices, and DMuon's figures (NS
-  time, bytes reduced and broadcast, owner balance) in the metrics line and TensorBoard.
+  time, bytes reduced and broadcast, owner balance) in the metrics line and TensorBoard;
+* the ranks leave training together (a barrier after a completed run).
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import torch
+import torch.distributed as dist
 import torchtitan.distributed.utils as dist_utils
 from torchtitan.components.checkpoint import MODEL
 from torchtitan.train import Trainer, main
@@ -42,6 +45,18 @@ class DMuonTrainer(Trainer):
         # The train step clips through this module attribute; TorchTitan's own cannot see
         # gradients held by owners and fails on a mix of DTensor and plain gradients.
         dist_utils.clip_grad_norm_ = self._clip_grad_norm
+        # After the first step TorchTitan shortens the timeout of its groups to
+        # comm.train_timeout_seconds (hang detection); the engine's own groups follow.
+        set_pg_timeouts = dist_utils.set_pg_timeouts
+
+        def set_pg_timeouts_with_dmuon(timeout, parallel_dims):
+            set_pg_timeouts(timeout, parallel_dims)
+            for dedication in self.dedications:
+                for group in dedication.process_groups():
+                    dist.distributed_c10d._set_pg_timeout(timeout, group)
+            logger.info("dmuon: the engine's process groups now time out after %s", timeout)
+
+        dist_utils.set_pg_timeouts = set_pg_timeouts_with_dmuon
         self._last_bytes: dict[str, int] = {}
         self._last_step_seconds = 0.0
         self._last_step = 0
@@ -61,6 +76,16 @@ class DMuonTrainer(Trainer):
             return log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra)
 
         self.metrics_processor.log = log_with_dmuon
+
+    def train(self) -> None:
+        super().train()
+        # TorchTitan's rank 0 sleeps 2 s after the last step while the others go on to
+        # destroy their process groups; on gloo a rank that tears down its groups while a
+        # peer still holds the connections aborts now and then. Leave together. Only after
+        # a completed run: after an error a barrier could wait for a rank that is gone.
+        gc.collect()
+        if dist.is_initialized():
+            dist.barrier()
 
     def _clip_grad_norm(self, parameters, max_norm, norm_type=2.0, **unused) -> torch.Tensor:
         # DMuon refuses pipeline parallelism, so there is exactly one model part.
