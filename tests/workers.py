@@ -199,6 +199,7 @@ def train_dmuon(
         "compute_dtypes": compute_dtypes,
         "boundaries": [b.name for b in dedication.boundaries],
     }
+    dedication.wait_replicas()  # the last step's async broadcasts, before teardown
     del opt, model
     return result
 

@@ -351,7 +351,8 @@ class Dedication:
 
     def wait_replicas(self) -> None:
         """Wait for every in-flight replicate broadcast: call before reading dedicated
-        values outside forward (evaluation helpers, checkpoint save)."""
+        values outside forward (evaluation helpers, checkpoint save) and at the end of
+        training, before the process groups are destroyed."""
         for unit in self.units:
             self.wait_replica(unit)
 

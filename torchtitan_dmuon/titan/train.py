@@ -83,6 +83,9 @@ class DMuonTrainer(Trainer):
         # destroy their process groups; on gloo a rank that tears down its groups while a
         # peer still holds the connections aborts now and then. Leave together. Only after
         # a completed run: after an error a barrier could wait for a rank that is gone.
+        # The last step's async replicate broadcasts must land before the groups go.
+        for dedication in getattr(self, "dedications", ()):
+            dedication.wait_replicas()
         gc.collect()
         if dist.is_initialized():
             dist.barrier()
