@@ -32,6 +32,8 @@ from torchtitan_dmuon.titan.parallelize import DMUON
 
 logger = logging.getLogger(__name__)
 
+_torchtitan_set_pg_timeouts = dist_utils.set_pg_timeouts
+
 
 class DMuonTrainer(Trainer):
     """TorchTitan's ``Trainer`` with DMuon's clipping, checkpoint state and metrics."""
@@ -45,18 +47,7 @@ class DMuonTrainer(Trainer):
         # The train step clips through this module attribute; TorchTitan's own cannot see
         # gradients held by owners and fails on a mix of DTensor and plain gradients.
         dist_utils.clip_grad_norm_ = self._clip_grad_norm
-        # After the first step TorchTitan shortens the timeout of its groups to
-        # comm.train_timeout_seconds (hang detection); the engine's own groups follow.
-        set_pg_timeouts = dist_utils.set_pg_timeouts
-
-        def set_pg_timeouts_with_dmuon(timeout, parallel_dims):
-            set_pg_timeouts(timeout, parallel_dims)
-            for dedication in self.dedications:
-                for group in dedication.process_groups():
-                    dist.distributed_c10d._set_pg_timeout(timeout, group)
-            logger.info("dmuon: the engine's process groups now time out after %s", timeout)
-
-        dist_utils.set_pg_timeouts = set_pg_timeouts_with_dmuon
+        dist_utils.set_pg_timeouts = self._set_pg_timeouts
         self._last_bytes: dict[str, int] = {}
         self._last_step_seconds = 0.0
         self._last_step = 0
@@ -89,6 +80,15 @@ class DMuonTrainer(Trainer):
         gc.collect()
         if dist.is_initialized():
             dist.barrier()
+
+    def _set_pg_timeouts(self, timeout, parallel_dims) -> None:
+        # After the first step TorchTitan shortens its groups' timeout to
+        # comm.train_timeout_seconds (hang detection); the engine's own groups follow.
+        _torchtitan_set_pg_timeouts(timeout, parallel_dims)
+        for dedication in self.dedications:
+            for group in dedication.process_groups():
+                dist.distributed_c10d._set_pg_timeout(timeout, group)
+        logger.info("dmuon: the engine's process groups now time out after %s", timeout)
 
     def _clip_grad_norm(self, parameters, max_norm, norm_type=2.0, **unused) -> torch.Tensor:
         # DMuon refuses pipeline parallelism, so there is exactly one model part.
