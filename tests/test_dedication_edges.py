@@ -37,22 +37,29 @@ def _muon_kwargs(ns_dtype):
     )
 
 
-def train_with_branch(rank, world, fsdp, z3):
-    """Rank 0 takes each block's branch, rank 1 does not; no rank uses unused_proj."""
+def _takes_branch(rank, layer, branch_layers):
+    return rank == 0 and (branch_layers is None or layer in branch_layers)
+
+
+def train_with_branch(
+    rank, world, fsdp, z3, layers=2, branch_layers=None, predicate=proj_predicate
+):
+    """Rank 0 takes the branch of each block in ``branch_layers`` (default: every block),
+    rank 1 does not; no rank uses unused_proj."""
     records = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())
     logging.getLogger("torchtitan_dmuon").addHandler(handler)
     logging.getLogger("torchtitan_dmuon").setLevel(logging.INFO)
     mesh = init_device_mesh("cpu", (world,))
-    model = make_model(seed=0, block=BranchBlock)
-    dedication = dedicate_params(model, mesh, proj_predicate, reshard_after_forward=z3)
+    model = make_model(seed=0, block=BranchBlock, layers=layers)
+    dedication = dedicate_params(model, mesh, predicate, reshard_after_forward=z3)
     if fsdp:
         for layer in model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-    for layer in model.layers:
-        layer.use_branch = rank == 0
+    for i, layer in enumerate(model.layers):
+        layer.use_branch = _takes_branch(rank, i, branch_layers)
     opt = Muon(model, **_muon_kwargs(torch.float32))
     for step in range(BRANCH_STEPS):
         inputs, targets = batch(100 + step * world + rank, 2)
@@ -63,11 +70,11 @@ def train_with_branch(rank, world, fsdp, z3):
     return {"params": full_params(model, names), "dedicated": sorted(names), "log": records}
 
 
-def branch_reference(world):
+def branch_reference(world, layers=2, branch_layers=None, predicate=proj_predicate):
     """One process: the mean of the two ranks' losses, each with its own branch choice."""
     with reference_setup(torch.float32):
-        model = make_model(seed=0, block=BranchBlock)
-        muon = [p for n, p in model.named_parameters() if proj_predicate(n, p) and p.requires_grad]
+        model = make_model(seed=0, block=BranchBlock, layers=layers)
+        muon = [p for n, p in model.named_parameters() if predicate(n, p) and p.requires_grad]
         ids = {id(p) for p in muon}
         rest = [p for p in model.parameters() if id(p) not in ids and p.requires_grad]
         opts = [torch.optim.Muon(muon, **MUON_KW), torch.optim.AdamW(rest, **ADAMW_KW)]
@@ -76,13 +83,30 @@ def branch_reference(world):
                 o.zero_grad()
             total = 0
             for rank in range(world):
-                for layer in model.layers:
-                    layer.use_branch = rank == 0
+                for i, layer in enumerate(model.layers):
+                    layer.use_branch = _takes_branch(rank, i, branch_layers)
                 total = total + loss_fn(model, *batch(100 + step * world + rank, 2))
             (total / world).backward()
             for o in opts:
                 o.step()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _used_somewhere(name, param):
+    return proj_predicate(name, param) and "unused" not in name
+
+
+@pytest.mark.parametrize("fsdp", [True, False])
+def test_boundary_complete_on_one_rank_only_z3(fsdp):
+    """Only rank 0 takes the branch, only in the last block: there that block's gradients
+    are complete (its reduce starts) while rank 1 is still gathering the next blocks for
+    backward. Reduces and gathers must not share a group, or the ranks hang."""
+    layout = (4, {3}, _used_somewhere)  # layers, branch_layers, predicate
+    by_rank = run_distributed(train_with_branch, 2, fsdp, True, *layout)
+    reference = branch_reference(2, *layout)
+    for name, expected in reference.items():
+        torch.testing.assert_close(by_rank[0]["params"][name], expected, rtol=1e-4, atol=1e-5)
+        assert torch.equal(by_rank[1]["params"][name], by_rank[0]["params"][name]), name
 
 
 @pytest.mark.parametrize("fsdp, z3", [(True, True), (False, False)])

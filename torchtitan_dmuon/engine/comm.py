@@ -54,9 +54,9 @@ def engine_group(group: dist.ProcessGroup, description: str) -> dist.ProcessGrou
     broadcast has landed yet, a question of timing. On groups of its own only the
     engine's fixed per-pass order matters.
 
-    Only the members call this (local synchronization). Every rank creates its shard
-    group before its replicate group, the same global order, so the overlapping
-    creations cannot deadlock.
+    Only the members call this (local synchronization). Every rank creates its groups in
+    the same order (shard, reduce, replicate), so the overlapping creations cannot
+    deadlock.
     """
     return dist.new_group(
         dist.get_process_group_ranks(group),

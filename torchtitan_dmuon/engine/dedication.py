@@ -103,7 +103,12 @@ class Dedication:
     ) -> None:
         self.model = model
         self.mesh = mesh
+        # Gathers and stage-1 reduces each run on a group of their own: in backward a
+        # boundary's reduce starts when its gradients are complete, which rank-dependent
+        # branches make differ between ranks, so on one group the two sequences could
+        # interleave differently (a hang). Each sequence alone has a fixed order.
         self.shard_group = comm.engine_group(mesh.get_group(), "dmuon_shard")
+        self.reduce_group = comm.engine_group(mesh.get_group(), "dmuon_shard_reduce")
         self.shard_rank = mesh.get_local_rank()
         self.shard_size = mesh.size()
         self.replicate_mesh = replicate_mesh
@@ -141,9 +146,11 @@ class Dedication:
         self._boundary_of_unit = {id(u): i for i, b in enumerate(boundaries) for u in b.units}
 
     def process_groups(self) -> list[dist.ProcessGroup]:
-        """The engine's own groups (see :func:`comm.engine_group`): the shard group and,
-        under HSDP, the replicate group."""
-        return [g for g in (self.shard_group, self.replicate_group) if g is not None]
+        """The engine's own groups (see :func:`comm.engine_group`): the shard group (its
+        broadcasts), the reduce group (the same ranks, its stage-1 reduces) and, under
+        HSDP, the replicate group."""
+        groups = [self.shard_group, self.reduce_group, self.replicate_group]
+        return [g for g in groups if g is not None]
 
     # ---- parameters -------------------------------------------------------------------
     def bind_params(self) -> None:
@@ -377,7 +384,7 @@ class Dedication:
 
     def reduce_to_column(self, unit: Unit, bucket: torch.Tensor) -> dist.Work:
         """Stage 1: SUM the bucket onto the unit's column inside this shard group."""
-        return comm.reduce_sum(bucket, unit.column, self.shard_group, self.stats)
+        return comm.reduce_sum(bucket, unit.column, self.reduce_group, self.stats)
 
     def reduce_to_primary(self, unit: Unit, bucket: torch.Tensor) -> dist.Work | None:
         """Stage 2 (HSDP, column ranks only): SUM across replicas onto the primary."""

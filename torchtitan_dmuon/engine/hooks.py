@@ -16,7 +16,10 @@ Collectives must be issued in the same order on every rank, even when a branch i
 on some ranks. So each kind of collective follows one fixed sequence over the boundaries
 (forward order for forward gathers, reverse order for backward gathers and reduces): a
 trigger issues everything up to its own boundary, and the end of forward / backward
-issues the rest. Every rank therefore issues each collective exactly once per pass.
+issues the rest. Every rank therefore issues each collective exactly once per pass. When
+a trigger fires depends on the rank (its branches, its timing), so sequences that run in
+the same pass never share a process group: gathers use the shard group, reduces the
+reduce group, and neither is FSDP2's.
 """
 
 from __future__ import annotations
@@ -166,20 +169,17 @@ class HookDriver:
         self._prefetch(self.backward_gathers)
 
     def _prefetch(self, sequence: _Sequence) -> None:
-        """Start gathering the next boundary in ``sequence`` now.
+        """Start gathering the next boundary in ``sequence`` now, unless its values are
+        still arriving from the primary replica (then it is gathered when needed, and the
+        replicate broadcast keeps overlapping the current boundary's compute).
 
-        In forward, not while its values are still arriving from the primary replica:
-        then it is gathered when needed, and the replicate broadcast keeps overlapping the
-        current boundary's compute. That choice depends on timing, so it differs between
-        ranks; it only moves *when* a gather is issued, never the order, because in
-        forward the engine's groups (its own, see :func:`comm.engine_group`) carry nothing
-        but this sequence. Backward comes after every forward gather waited for its
-        replica, so there nothing is in flight and gathers interleave with the reduces in
-        the same order on every rank.
+        That choice depends on timing, so it differs between ranks. It only moves *when*
+        a gather is issued, never the order of the gathers, and the gathers have a group
+        of their own.
         """
         if sequence.next < len(sequence.order):
             upcoming = sequence.order[sequence.next]
-            if self._in_backward or self.d.replicas_landed(upcoming):
+            if self.d.replicas_landed(upcoming):
                 sequence.through(upcoming)
 
     def register_param_hook(self, param: torch.Tensor, b: int) -> None:
