@@ -109,6 +109,49 @@ def test_boundary_complete_on_one_rank_only_z3(fsdp):
         assert torch.equal(by_rank[1]["params"][name], by_rank[0]["params"][name]), name
 
 
+SKIPPED_BY_RANK = {0: set(), 1: {2}}
+
+
+def train_skipping_a_block(rank, world, z3):
+    """DDP-style (FSDP2 itself needs every rank in every block): rank 1 skips block 2."""
+    mesh = init_device_mesh("cpu", (world,))
+    model = make_model(seed=0, layers=4)
+    dedication = dedicate_params(model, mesh, proj_predicate, reshard_after_forward=z3)
+    model.skip_layers = SKIPPED_BY_RANK[rank]
+    opt = Muon(model, **_muon_kwargs(torch.float32))
+    for step in range(BRANCH_STEPS):
+        opt.zero_grad()
+        loss_fn(model, *batch(100 + step * world + rank, 2)).backward()
+        opt.step()
+    return full_params(model, {d.name for u in dedication.units for d in u.params})
+
+
+@pytest.mark.parametrize("z3", [True, False])
+def test_block_skipped_by_one_rank_ddp_style(z3):
+    """The skipped block's matrices and its other parameters (norm, bias) get gradients
+    from rank 0 only; both are averaged as if rank 1's were zeros, with no collective
+    mismatch, equal to the one-process mean of the ranks' losses."""
+    by_rank = run_distributed(train_skipping_a_block, 2, z3)
+    with reference_setup(torch.float32):
+        model = make_model(seed=0, layers=4)
+        muon = [p for n, p in model.named_parameters() if proj_predicate(n, p)]
+        rest = [p for n, p in model.named_parameters() if not proj_predicate(n, p)]
+        opts = [torch.optim.Muon(muon, **MUON_KW), torch.optim.AdamW(rest, **ADAMW_KW)]
+        for step in range(BRANCH_STEPS):
+            for o in opts:
+                o.zero_grad()
+            total = 0
+            for rank, skipped in SKIPPED_BY_RANK.items():
+                model.skip_layers = skipped
+                total = total + loss_fn(model, *batch(100 + step * 2 + rank, 2))
+            (total / 2).backward()
+            for o in opts:
+                o.step()
+    for name, expected in model.named_parameters():
+        torch.testing.assert_close(by_rank[0][name], expected.detach(), rtol=1e-4, atol=1e-5)
+        assert torch.equal(by_rank[1][name], by_rank[0][name]), name
+
+
 @pytest.mark.parametrize("fsdp, z3", [(True, True), (False, False)])
 def test_unused_and_rank_dependent_branches_and_frozen_matrices(fsdp, z3):
     by_rank = run_distributed(train_with_branch, 2, fsdp, z3)

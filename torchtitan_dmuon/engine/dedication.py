@@ -24,6 +24,7 @@ This module does not import TorchTitan.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import weakref
@@ -410,18 +411,37 @@ class Dedication:
                 self.reduced_grads[d.param] = grad
 
     def sync_other_grads(self) -> None:
-        """DDP-style: average the non-dedicated gradients over all ranks (one bucket)."""
-        params = [p for p in self.other_params() if p.grad is not None]
+        """DDP-style: average the non-dedicated gradients over all ranks, in one bucket.
+
+        The bucket has a place for every parameter plus a has-gradient flag each, so a
+        rank that skipped a module sends the same bucket as the others: a gradient no rank
+        computed stays ``None``, one that some ranks computed counts the others as zeros
+        (as DDP with ``find_unused_parameters``).
+        """
+        params = self.other_params()
         if not params:
             return
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        comm.all_reduce_sum(flat, None, self.stats).wait()
-        flat.div_(self._divide_factor(dist.get_world_size()))
+        dtype = functools.reduce(torch.promote_types, (p.dtype for p in params))
+        numel = sum(p.numel() for p in params)
+        bucket = torch.zeros(numel + len(params), dtype=dtype, device=params[0].device)
         offset = 0
-        for p in params:
-            n = p.grad.numel()
-            p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
-            offset += n
+        for i, p in enumerate(params):
+            if p.grad is not None:
+                bucket[offset : offset + p.numel()].copy_(p.grad.reshape(-1))
+                bucket[numel + i] = 1
+            offset += p.numel()
+        comm.all_reduce_sum(bucket, None, self.stats).wait()
+        bucket[:numel].div_(self._divide_factor(dist.get_world_size()))
+        offset = 0
+        for p, has_grad in zip(params, bucket[numel:].tolist(), strict=True):
+            mean = bucket[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+            if not has_grad:
+                continue
+            if p.grad is None:
+                p.grad = mean.to(p.dtype, copy=True)
+            else:
+                p.grad.copy_(mean)
 
     def zero_grad(self) -> None:
         self.reduced_grads.clear()
