@@ -40,7 +40,7 @@ from torchtitan_dmuon.engine import comm
 from torchtitan_dmuon.engine.fsdp_patch import mark_dedicated
 from torchtitan_dmuon.engine.partition import PartitionItem, load_balance
 from torchtitan_dmuon.engine.plan import Boundary, BoundaryPredicate, Unit, build_plan
-from torchtitan_dmuon.optim.newton_schulz import ns_flops
+from torchtitan_dmuon.optim.newton_schulz import matrix_count, ns_flops
 
 __all__ = [
     "Dedication",
@@ -374,13 +374,10 @@ class Dedication:
         it has none) and, after them, one has-gradient flag per matrix, so that the owner
         can tell a matrix no rank touched (skipped, as torch.optim.Muon skips a ``None``
         gradient) from one whose sum is zero. Consumes the local gradients."""
-        n = len(unit.params)
-        bucket = torch.zeros(unit.numel + n, dtype=unit.reduce_dtype, device=unit.flat.device)
-        for i, d in enumerate(unit.params):
-            if d.param.grad is not None:
-                unit.view(bucket, d).copy_(d.param.grad)
-                bucket[unit.numel + i] = 1
-            d.param.grad = None
+        params = [d.param for d in unit.params]
+        bucket = _flagged_grad_bucket(params, unit.reduce_dtype, unit.flat.device)
+        for p in params:
+            p.grad = None
         return bucket
 
     def reduce_to_column(self, unit: Unit, bucket: torch.Tensor) -> dist.Work:
@@ -422,14 +419,8 @@ class Dedication:
         if not params:
             return
         dtype = functools.reduce(torch.promote_types, (p.dtype for p in params))
-        numel = sum(p.numel() for p in params)
-        bucket = torch.zeros(numel + len(params), dtype=dtype, device=params[0].device)
-        offset = 0
-        for i, p in enumerate(params):
-            if p.grad is not None:
-                bucket[offset : offset + p.numel()].copy_(p.grad.reshape(-1))
-                bucket[numel + i] = 1
-            offset += p.numel()
+        bucket = _flagged_grad_bucket(params, dtype, params[0].device)
+        numel = bucket.numel() - len(params)
         comm.all_reduce_sum(bucket, None, self.stats).wait()
         bucket[:numel].div_(self._divide_factor(dist.get_world_size()))
         offset = 0
@@ -525,6 +516,23 @@ class Dedication:
             comm.broadcast(value, unit.replica, self.replicate_group, self.stats, "read").wait()
         comm.broadcast(value, unit.column, self.shard_group, self.stats, "read").wait()
         return value
+
+
+def _flagged_grad_bucket(
+    params: list[nn.Parameter], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """Every parameter's gradient back to back (zeros where it has none), then one
+    has-gradient flag per parameter: a bucket of the same size on every rank, whatever
+    gradients each rank computed."""
+    numel = sum(p.numel() for p in params)
+    bucket = torch.zeros(numel + len(params), dtype=dtype, device=device)
+    offset = 0
+    for i, p in enumerate(params):
+        if p.grad is not None:
+            bucket[offset : offset + p.numel()].copy_(p.grad.reshape(-1))
+            bucket[numel + i] = 1
+        offset += p.numel()
+    return bucket
 
 
 def _mixed_precision_of(model: nn.Module, boundary_name: str) -> tuple:
@@ -667,7 +675,7 @@ def dedicate_params(
         "dedicate_params: %d parameters (%d matrices), %d boundaries, %d units over "
         "%d x %d ranks, NS balance %.3f, %s",
         len(dedication.params),
-        sum(p.numel() // (p.shape[-2] * p.shape[-1]) for p in dedication.params),
+        sum(matrix_count(p.shape) for p in dedication.params),
         len(boundaries),
         len(dedication.units),
         dedication.replicate_size,
