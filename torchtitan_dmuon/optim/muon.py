@@ -23,6 +23,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from torchtitan_dmuon.optim.newton_schulz import matrix_count
+
 __all__ = ["ADJUST_LR_FNS", "adjusted_lr", "muon_step", "NSFunction"]
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw", "spectral")
@@ -104,7 +106,7 @@ def muon_step(
             orthogonal = [ns(updates[0])]
         else:
             batch = torch.cat([u.reshape(-1, *u.shape[-2:]) for u in updates])
-            counts = [u.numel() // batch[0].numel() for u in updates]
+            counts = [matrix_count(u.shape) for u in updates]
             orthogonal = [
                 o.reshape(u.shape) for o, u in zip(ns(batch).split(counts), updates, strict=True)
             ]
@@ -112,5 +114,5 @@ def muon_step(
             p = params[i]
             p.mul_(1 - lr * weight_decay)
             p.add_(o, alpha=-adjusted_lr(lr, adjust_lr_fn, p.shape))
-            matrices += p.numel() // (p.shape[-2] * p.shape[-1])
+            matrices += matrix_count(p.shape)
     return matrices

@@ -11,6 +11,7 @@ This module is pure math: it does not import ``torch.distributed``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,6 +23,7 @@ __all__ = [
     "NSSchedule",
     "resolve_ns_schedule",
     "newton_schulz",
+    "matrix_count",
     "ns_flops",
     "prepare_ns_input",
 ]
@@ -171,14 +173,17 @@ def newton_schulz(
     return x.mT if transposed else x
 
 
+def matrix_count(shape: Sequence[int]) -> int:
+    """How many matrices a tensor of ``shape`` holds: 1 for a matrix, the product of the
+    leading dims for a stack (MoE experts, a batch)."""
+    return math.prod(shape[:-2])
+
+
 def ns_flops(shape: Sequence[int], steps: int) -> int:
     """Multiply-add FLOPs of ``steps`` Newton-Schulz iterations on one ``(m, n)`` matrix.
 
     ``steps * (4 m^2 n + 2 m^3)`` with ``m <= n`` (the short side), per matrix of the batch.
     """
-    *batch, rows, cols = shape
+    rows, cols = shape[-2:]
     m, n = min(rows, cols), max(rows, cols)
-    count = 1
-    for b in batch:
-        count *= b
-    return count * steps * (4 * m * m * n + 2 * m * m * m)
+    return matrix_count(shape) * steps * (4 * m * m * n + 2 * m * m * m)

@@ -40,6 +40,7 @@ class DMuonTrainer(Trainer):
 
     def __init__(self, job_config) -> None:
         super().__init__(job_config)
+        self.dedications = []
         if job_config.optimizer.name != DMUON:
             return
         self.dedications = [get_dedication(m) for m in self.model_parts]
@@ -75,7 +76,7 @@ class DMuonTrainer(Trainer):
         # peer still holds the connections aborts now and then. Leave together. Only after
         # a completed run: after an error a barrier could wait for a rank that is gone.
         # The last step's async replicate broadcasts must land before the groups go.
-        for dedication in getattr(self, "dedications", ()):
+        for dedication in self.dedications:
             dedication.wait_replicas()
         gc.collect()
         if dist.is_initialized():
