@@ -15,6 +15,7 @@ from tests.models import BranchBlock, batch, loss_fn, make_model, proj_predicate
 from tests.workers import (
     ADAMW_KW,
     MUON_KW,
+    as_muon_adamw_kwargs,
     full_params,
     reference_setup,
     train_configs,
@@ -27,14 +28,7 @@ BRANCH_STEPS = 3
 
 
 def _muon_kwargs(ns_dtype):
-    return dict(
-        **MUON_KW,
-        ns_dtype=ns_dtype,
-        adamw_lr=ADAMW_KW["lr"],
-        adamw_betas=ADAMW_KW["betas"],
-        adamw_eps=ADAMW_KW["eps"],
-        adamw_weight_decay=ADAMW_KW["weight_decay"],
-    )
+    return dict(**MUON_KW, **as_muon_adamw_kwargs(ADAMW_KW), ns_dtype=ns_dtype)
 
 
 def _takes_branch(rank, layer, branch_layers):
@@ -70,10 +64,10 @@ def train_with_branch(
     return {"params": full_params(model, names), "dedicated": sorted(names), "log": records}
 
 
-def branch_reference(world, layers=2, branch_layers=None, predicate=proj_predicate):
-    """One process: the mean of the two ranks' losses, each with its own branch choice."""
+def mean_of_ranks_reference(model, predicate, configure_for_rank, world=2):
+    """One process: Muon + AdamW on the mean of the ranks' losses, the model set up as
+    each rank has it (``configure_for_rank(model, rank)``) for that rank's batch."""
     with reference_setup(torch.float32):
-        model = make_model(seed=0, block=BranchBlock, layers=layers)
         muon = [p for n, p in model.named_parameters() if predicate(n, p) and p.requires_grad]
         ids = {id(p) for p in muon}
         rest = [p for p in model.parameters() if id(p) not in ids and p.requires_grad]
@@ -83,13 +77,23 @@ def branch_reference(world, layers=2, branch_layers=None, predicate=proj_predica
                 o.zero_grad()
             total = 0
             for rank in range(world):
-                for i, layer in enumerate(model.layers):
-                    layer.use_branch = _takes_branch(rank, i, branch_layers)
+                configure_for_rank(model, rank)
                 total = total + loss_fn(model, *batch(100 + step * world + rank, 2))
             (total / world).backward()
             for o in opts:
                 o.step()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def branch_reference(world, layers=2, branch_layers=None, predicate=proj_predicate):
+    """Each rank with its own branch choice."""
+
+    def take_branches(model, rank):
+        for i, layer in enumerate(model.layers):
+            layer.use_branch = _takes_branch(rank, i, branch_layers)
+
+    model = make_model(seed=0, block=BranchBlock, layers=layers)
+    return mean_of_ranks_reference(model, predicate, take_branches, world)
 
 
 def _used_somewhere(name, param):
@@ -132,23 +136,13 @@ def test_block_skipped_by_one_rank_ddp_style(z3):
     from rank 0 only; both are averaged as if rank 1's were zeros, with no collective
     mismatch, equal to the one-process mean of the ranks' losses."""
     by_rank = run_distributed(train_skipping_a_block, 2, z3)
-    with reference_setup(torch.float32):
-        model = make_model(seed=0, layers=4)
-        muon = [p for n, p in model.named_parameters() if proj_predicate(n, p)]
-        rest = [p for n, p in model.named_parameters() if not proj_predicate(n, p)]
-        opts = [torch.optim.Muon(muon, **MUON_KW), torch.optim.AdamW(rest, **ADAMW_KW)]
-        for step in range(BRANCH_STEPS):
-            for o in opts:
-                o.zero_grad()
-            total = 0
-            for rank, skipped in SKIPPED_BY_RANK.items():
-                model.skip_layers = skipped
-                total = total + loss_fn(model, *batch(100 + step * 2 + rank, 2))
-            (total / 2).backward()
-            for o in opts:
-                o.step()
-    for name, expected in model.named_parameters():
-        torch.testing.assert_close(by_rank[0][name], expected.detach(), rtol=1e-4, atol=1e-5)
+
+    def skip_blocks(model, rank):
+        model.skip_layers = SKIPPED_BY_RANK[rank]
+
+    reference = mean_of_ranks_reference(make_model(seed=0, layers=4), proj_predicate, skip_blocks)
+    for name, expected in reference.items():
+        torch.testing.assert_close(by_rank[0][name], expected, rtol=1e-4, atol=1e-5)
         assert torch.equal(by_rank[1][name], by_rank[0][name]), name
 
 
