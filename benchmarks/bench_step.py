@@ -136,7 +136,7 @@ def _persistent_bytes(model, opt) -> int:
     dedication = dmuon.get_dedication(model)
     if dedication is not None:
         tensors += [u.master for u in dedication.units if u.master is not None]
-        tensors += list(dedication.reduced_grads.values())
+        tensors += [u.grad for u in dedication.units if u.grad is not None]
     seen, total = set(), 0
     for t in tensors:
         if t is None:

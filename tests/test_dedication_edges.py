@@ -22,7 +22,7 @@ from tests.workers import (
     train_reference,
 )
 from torchtitan_dmuon import Muon, dedicate_params, get_dedication
-from torchtitan_dmuon.engine import fsdp_patch
+from torchtitan_dmuon.engine import patches
 
 BRANCH_STEPS = 3
 
@@ -262,15 +262,15 @@ def fsdp_patch_worker(rank, world):
     out = {}
     for installed in (True, False):
         if not installed:
-            fsdp_patch.uninstall()
+            patches.uninstall()
         model = make_model(seed=0)
         dedicate_params(model, mesh, proj_predicate)
         for layer in model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         out[installed] = {n: isinstance(p, DTensor) for n, p in model.named_parameters()}
-    fsdp_patch.install()
-    out["reinstalled"] = fsdp_patch.is_installed()
+    patches.install()
+    out["reinstalled"] = patches.is_installed()
     return out
 
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.optim._muon as muon_module
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
@@ -20,6 +20,7 @@ from torchtitan_dmuon import (
     clip_grad_norm_,
     dedicate_params,
     get_full_param,
+    reset_iter_state,
     set_requires_gradient_sync,
 )
 from torchtitan_dmuon.engine.comm import CollectiveCounter
@@ -93,6 +94,7 @@ def train_dmuon(
     meta_init=False,
     checkpoint_blocks=False,
     skewed_prefetch=False,
+    fail_before_step=None,
 ):
     """Train the tiny transformer with DMuon; return losses, full params and counters.
 
@@ -101,7 +103,10 @@ def train_dmuon(
     records the replicate-broadcast events from that step's optimizer step through the
     next forward; ``skewed_prefetch`` makes the forward prefetch decision (does the next
     boundary's replica value land in time?) differ between the ranks of each shard group,
-    as timing can.
+    as timing can. ``fsdp="blocks"`` shards the blocks only (embedding, norm and head
+    under no FSDP module); ``meta_init="swap"`` materializes with ``swap_tensors`` (as
+    tensor-subclass parameters force); ``fail_before_step`` runs one pass whose backward
+    raises half-way on every rank before that step, caught as a training loop would.
     """
     if hsdp_shape is None:
         mesh = fsdp_mesh = init_device_mesh("cpu", (world,))
@@ -136,10 +141,14 @@ def train_dmuon(
             fsdp_kwargs["mp_policy"] = mp_policy
         for layer in model.layers:
             fully_shard(layer, **fsdp_kwargs)
-        fully_shard(model, **fsdp_kwargs)
+        if fsdp != "blocks":
+            fully_shard(model, **fsdp_kwargs)
     if meta_init:
         # As TorchTitan does: materialize after fully_shard, then initialize in place.
+        swap = torch.__future__.get_swap_module_params_on_conversion()
+        torch.__future__.set_swap_module_params_on_conversion(meta_init == "swap")
         model.to_empty(device="cpu")
+        torch.__future__.set_swap_module_params_on_conversion(swap)
         _copy_init_values(model, make_model(seed=0, **(model_kwargs or {})))
     compute_dtypes = set()
     model.layers[0].register_forward_pre_hook(
@@ -154,11 +163,17 @@ def train_dmuon(
     )
     losses, norms, per_step, snapshot, events = [], [], [], None, None
     names = {d.name for u in dedication.units for d in u.params}
+    profiler = None
     for step in range(steps):
+        if step == fail_before_step:
+            _failing_pass(model, opt, rank, world)
         if step == record_events_at:
-            dedication.events = []
-        elif record_events_at is not None and step == record_events_at + 2:
-            events, dedication.events = dedication.events, None
+            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            profiler.__enter__()
+        elif profiler is not None and step == record_events_at + 2:
+            profiler.__exit__(None, None, None)
+            events = _engine_events(profiler)
+            profiler = None
         total = torch.zeros(())
         with CollectiveCounter() as counter:
             opt.zero_grad()
@@ -184,24 +199,64 @@ def train_dmuon(
         "norms": norms,
         "params": full_params(model, names),
         "ns_matrices": opt.ns_matrices,
-        "owned": sorted(
-            d.name for u in dedication.units if dedication.is_primary(u) for d in u.params
-        ),
+        "owned": sorted(d.name for u in dedication.units if u.primary for d in u.params),
         "memory": dedication.memory_bytes(),
         "snapshot": snapshot,
         "events": events,
         "coordinates": (dedication.replicate_rank, dedication.shard_rank),
-        "primary_units": [
-            (u.column, u.replica) for u in dedication.units if dedication.is_primary(u)
-        ],
+        "primary_units": [(u.column, u.primary_replica) for u in dedication.units if u.primary],
         "stats": dedication.stats.snapshot(),
         "collectives": per_step,
         "compute_dtypes": compute_dtypes,
-        "boundaries": [b.name for b in dedication.boundaries],
+        "boundaries": [b.name for b in dedication.plan.boundaries],
     }
     dedication.wait_replicas()  # the last step's async broadcasts, before teardown
     del opt, model
     return result
+
+
+def _failing_pass(model, opt, rank, world) -> None:
+    """A pass whose backward raises after the last block's backward (its reduce issued)
+    and before the first block's, caught like a training loop skipping a bad batch. With
+    FSDP2 the loop calls ``reset_iter_state`` (FSDP2's recovery needs it); without, the
+    engine recovers by itself at the next forward."""
+
+    def raise_in_backward(module, args, output):
+        def fail(grad):
+            raise RuntimeError("injected backward failure")
+
+        output.register_hook(fail)
+
+    handle = model.layers[0].register_forward_hook(raise_in_backward)
+    opt.zero_grad()
+    inputs, targets = data_for(999, rank, world, same_data=False)
+    try:
+        loss_fn(model, inputs, targets).backward()
+    except RuntimeError as error:
+        assert "injected backward failure" in str(error)
+    else:
+        raise AssertionError("the failing pass did not fail")
+    finally:
+        handle.remove()
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        reset_iter_state(model)
+    opt.zero_grad()
+
+
+def _engine_events(profiler) -> list[tuple[str, int | None]]:
+    """The engine's replicate-broadcast ranges and pre-forwards, in start order, as
+    ``("launch" | "forward" | "wait", boundary)``."""
+    kinds = {
+        "dmuon::replicate_broadcast": "launch",
+        "dmuon::pre_forward": "forward",
+        "dmuon::replicate_wait": "wait",
+    }
+    events = []
+    for event in sorted(profiler.events(), key=lambda e: e.time_range.start):
+        label, _, boundary = event.name.partition(" b")
+        if label in kinds:
+            events.append((kinds[label], int(boundary) if boundary else None))
+    return events
 
 
 @contextlib.contextmanager

@@ -3,7 +3,7 @@
 Each selected matrix parameter gets ONE owner rank, which keeps the full parameter and
 the momentum, receives the reduced gradient, runs Newton-Schulz alone and broadcasts the
 new value. Importing this package makes ``fully_shard`` skip dedicated parameters
-(``torchtitan_dmuon.engine.fsdp_patch.uninstall()`` undoes it).
+(``torchtitan_dmuon.engine.patches.uninstall()`` undoes it).
 
 Layout: ``optim`` (the math, no torch.distributed), ``engine`` (ownership: partition,
 dedication, communication, hooks; no TorchTitan), ``optimizer`` (the ``Muon`` class).
@@ -14,12 +14,13 @@ from torchtitan_dmuon.engine import (
     dedicate_params,
     get_dedication,
     get_full_param,
+    reset_iter_state,
     set_requires_gradient_sync,
 )
-from torchtitan_dmuon.engine.fsdp_patch import install as _install_fsdp_patch
+from torchtitan_dmuon.engine.patches import install as _install_patches
 from torchtitan_dmuon.optimizer import Muon
 
-_install_fsdp_patch()
+_install_patches()
 
 __all__ = [
     "Muon",
@@ -27,6 +28,7 @@ __all__ = [
     "dedicate_params",
     "get_dedication",
     "get_full_param",
+    "reset_iter_state",
     "set_requires_gradient_sync",
 ]
 __version__ = "0.1.0"

@@ -20,7 +20,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from torchtitan_dmuon.engine.dedication import get_dedication
+from torchtitan_dmuon.engine import get_dedication, verify_plan
+from torchtitan_dmuon.engine.selection import select_matrices
 from torchtitan_dmuon.optim.muon import ADJUST_LR_FNS, muon_step
 from torchtitan_dmuon.optim.newton_schulz import EPS, resolve_ns_schedule
 from torchtitan_dmuon.optim.ns_backends import bind_ns, get_ns_backend
@@ -116,8 +117,9 @@ class Muon(torch.optim.Optimizer):
             self.dedication.bind_params()
             muon_params = list(self.dedication.params)
         else:
-            muon_params = self._select(model, predicate or (lambda n, p: p.ndim == 2))
-        if replicate_async and (self.dedication is None or not self.dedication.has_replicas):
+            selected = select_matrices(model, predicate or (lambda n, p: p.ndim == 2))
+            muon_params = [p for _, p in selected]
+        if replicate_async and (self.dedication is None or self.dedication.replicas is None):
             raise ValueError(
                 "replicate_async=True needs dedicate_params(..., replicate_mesh=...) (HSDP)"
             )
@@ -154,22 +156,10 @@ class Muon(torch.optim.Optimizer):
         super().__init__([muon_group, adamw_group], {"lr": lr})
         self._adamw = self._make_adamw(adamw_params)
         if self.dedication is not None:
-            self.dedication.verify_consistent()
-            self.dedication.replicate_async = replicate_async
-
-    @staticmethod
-    def _select(model: nn.Module, predicate: Predicate) -> list[nn.Parameter]:
-        selected = []
-        for name, p in model.named_parameters():
-            if not p.requires_grad or not predicate(name, p):
-                continue
-            if p.ndim not in (2, 3):
-                raise ValueError(
-                    f"parameter {name!r} of shape {tuple(p.shape)} was selected for Muon, "
-                    "which only takes 2-D matrices and 3-D stacks of matrices (MoE experts)"
-                )
-            selected.append(p)
-        return selected
+            verify_plan(self.dedication)
+            if replicate_async:
+                # The engine's settings are the one place; this argument lands there.
+                self.dedication.settings.replicate_async = True
 
     def _make_adamw(self, adamw_params: list[nn.Parameter]) -> torch.optim.AdamW | None:
         """An AdamW over ``param_groups[1]`` that shares its dict and our state."""

@@ -1,4 +1,4 @@
-"""Forward and backward hooks that drive a :class:`Dedication`.
+"""Forward and backward hooks that drive a dedication, with an explicit state per pass.
 
 Per boundary (in the manner of FSDP2):
 
@@ -6,33 +6,53 @@ Per boundary (in the manner of FSDP2):
   boundary's;
 * post-forward: Z3 frees non-owned units; a grad hook on the outputs is the pre-backward
   trigger (Z3 gathers again there, prefetching the next boundary in backward order);
-* post-backward: when every dedicated matrix of the boundary has its gradient, its units'
-  gradients are packed, SUM-reduced to their owners asynchronously (overlapping the rest
-  of backward) and non-owners free both gradient and parameter;
+* post-accumulate-grad: when every dedicated matrix of the boundary has its gradient, its
+  units' gradients are packed and SUM-reduced to their owners asynchronously (overlapping
+  the rest of backward), and non-owners free both gradient and parameter;
 * end of backward (an autograd final callback): boundaries whose trigger did not fire are
-  reduced too, every reduce is awaited and owners turn sums into means.
+  reduced too, every reduce is awaited and owners accumulate the reduced gradients.
 
 Collectives must be issued in the same order on every rank, even when a branch is unused
 on some ranks. So each kind of collective follows one fixed sequence over the boundaries
 (forward order for forward gathers, reverse order for backward gathers and reduces): a
 trigger issues everything up to its own boundary, and the end of forward / backward
-issues the rest. Every rank therefore issues each collective exactly once per pass. When
-a trigger fires depends on the rank (its branches, its timing), so sequences that run in
-the same pass never share a process group: gathers use the shard group, reduces the
-reduce group, and neither is FSDP2's.
+issues the rest. When a trigger fires depends on the rank, so sequences that run in the
+same pass never share a process group: gathers use the shard group, reduces the reduce
+group, and neither is FSDP2's.
+
+A pass that raises (an out-of-memory error, a bad op) leaves its state behind; the next
+root pre-forward finds the driver not idle, waits for what the failed pass issued, drops
+its partial gradients and starts clean, as FSDP2 resets its per-pass state there.
 """
 
 from __future__ import annotations
+
+import logging
+from enum import Enum, auto
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
+from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten
 
-from torchtitan_dmuon.engine.dedication import Dedication
+__all__ = ["HookDriver", "TrainingState"]
 
-__all__ = ["register_hooks", "HookDriver"]
+logger = logging.getLogger(__name__)
+
+
+class TrainingState(Enum):
+    """Where the current pass is."""
+
+    IDLE = auto()
+    """No pass, or a forward without grad finished."""
+    FORWARD = auto()
+    """Inside the root forward."""
+    AWAITING_BACKWARD = auto()
+    """A forward with grad finished; its backward may or may not come."""
+    BACKWARD = auto()
+    """Inside backward (a pre-forward now is an activation-checkpoint recompute)."""
 
 
 class _Sequence:
@@ -47,6 +67,9 @@ class _Sequence:
     def reset(self) -> None:
         self.next = 0
 
+    def upcoming(self) -> int | None:
+        return self.order[self.next] if self.next < len(self.order) else None
+
     def through(self, boundary: int) -> None:
         """Issue every boundary up to and including ``boundary`` not issued yet."""
         while self.next <= self.position[boundary]:
@@ -59,79 +82,144 @@ class _Sequence:
 
 
 class HookDriver:
-    """The per-pass state of a dedication's hooks."""
+    """The hooks of one dedication and the state of the current pass."""
 
-    def __init__(self, dedication: Dedication) -> None:
+    def __init__(self, dedication) -> None:
         self.d = dedication
-        n = len(dedication.boundaries)
+        n = len(dedication.plan.boundaries)
         forward_order = list(range(n))
         backward_order = forward_order[::-1]
-        self._gather_works: dict[int, list[dist.Work]] = {}
+        self.state = TrainingState.IDLE
+        self._gathers: dict[int, list[dist.Work]] = {}
+        self._reduces: list[tuple[object, dist.Work, torch.Tensor]] = []
         self.forward_gathers = _Sequence(forward_order, self._issue_gather)
         self.backward_gathers = _Sequence(backward_order, self._issue_gather)
-        self.reduces = _Sequence(backward_order, self._issue_reduce)
-        self._pending_reduces: list[tuple[int, int, dist.Work, torch.Tensor]] = []
+        self.reduce_sequence = _Sequence(backward_order, self._issue_reduce)
+        self._expected = [sum(1 for _ in b.params) for b in dedication.plan.boundaries]
         self._grad_counts = [0] * n
-        self._expected = [sum(1 for _ in b.params) for b in dedication.boundaries]
         self._reduce_ready = [False] * n
-        self._in_backward = False
+        self._handles: list = []
+        self._param_hooks: dict[str, tuple[nn.Parameter, object]] = {}
+
+    # ---- registration ------------------------------------------------------------------
+    def register(self, model: nn.Module) -> None:
+        """Attach the module hooks (the parameter hooks follow in :meth:`bind_params`)."""
+        handles = [
+            model.register_forward_pre_hook(self._root_pre_forward, prepend=True, with_kwargs=True)
+        ]
+        for b, boundary in enumerate(self.d.plan.boundaries):
+            handles.append(
+                boundary.module.register_forward_pre_hook(self._pre_forward(b), with_kwargs=True)
+            )
+            handles.append(
+                boundary.module.register_forward_hook(self._post_forward(b), with_kwargs=True)
+            )
+        handles.append(model.register_forward_hook(self._root_post_forward, with_kwargs=True))
+        self._handles = handles
+
+    def bind_params(self) -> None:
+        """Give each current parameter object its post-accumulate-grad hook, once.
+
+        Checked by the hook's own handle, not by ``id``: ``to_empty`` registers new
+        objects (an old id can come back for another tensor), and ``swap_tensors`` moves
+        the hooks of an object along with its contents.
+        """
+        for b, boundary in enumerate(self.d.plan.boundaries):
+            for dp in boundary.params:
+                hooked = self._param_hooks.get(dp.name)
+                if hooked is not None and hooked[0] is dp.param:
+                    hooks = dp.param._post_accumulate_grad_hooks
+                    if hooks is not None and hooked[1].id in hooks:
+                        continue
+                    hooked[1].remove()
+                handle = dp.param.register_post_accumulate_grad_hook(self._post_accumulate_grad(b))
+                self._param_hooks[dp.name] = (dp.param, handle)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        for _, handle in self._param_hooks.values():
+            handle.remove()
+        self._handles, self._param_hooks = [], {}
 
     # ---- collectives ---------------------------------------------------------------------
     def _issue_gather(self, b: int) -> None:
-        self._gather_works[b] = [self.d.gather_async(u) for u in self.d.boundaries[b].units]
+        with record_function(f"dmuon::gather b{b}"):
+            self._gathers[b] = [self.d.gather(u) for u in self.d.boundary_units[b]]
 
     def _wait_gather(self, b: int) -> None:
-        for work in self._gather_works.pop(b, ()):
-            work.wait()
+        works = self._gathers.pop(b, ())
+        if works:
+            with record_function(f"dmuon::wait_gather b{b}"):
+                for work in works:
+                    work.wait()
 
     def _issue_reduce(self, b: int) -> None:
-        for i, unit in enumerate(self.d.boundaries[b].units):
-            bucket = self.d.pack_grads(unit)
-            self.d.free(unit)
-            work = self.d.reduce_to_column(unit, bucket)
-            self._pending_reduces.append((b, i, work, bucket))
+        with record_function(f"dmuon::reduce b{b}"):
+            for unit in self.d.boundary_units[b]:
+                work, bucket = self.d.reduce_to_column(unit)
+                self._reduces.append((unit, work, bucket))
 
     def _free_boundary(self, b: int) -> None:
-        for unit in self.d.boundaries[b].units:
-            self.d.free(unit)
+        for unit in self.d.boundary_units[b]:
+            unit.free()
+
+    def _prefetch(self, sequence: _Sequence) -> None:
+        """Start gathering the next boundary in ``sequence`` now, unless its values are
+        still arriving from the primary replica (then it is gathered when needed, and the
+        replicate broadcast keeps overlapping the current boundary's compute).
+
+        That choice depends on timing, so it differs between ranks. It only moves *when*
+        a gather is issued, never the order of the gathers, and the gathers have a group
+        of their own.
+        """
+        upcoming = sequence.upcoming()
+        if upcoming is not None and self.d.replicas_landed(upcoming):
+            sequence.through(upcoming)
 
     # ---- forward ---------------------------------------------------------------------------
-    def root_pre_forward(self, module: nn.Module, args, kwargs):
+    def _root_pre_forward(self, module: nn.Module, args, kwargs):
+        self.reset_iter_state()
         self.d.lazy_init()
+        self.state = TrainingState.FORWARD
         self.forward_gathers.reset()
         return None
 
-    def root_post_forward(self, module: nn.Module, args, kwargs, output):
+    def _root_post_forward(self, module: nn.Module, args, kwargs, output):
         self.forward_gathers.finish()
-        for b in list(self._gather_works):
+        for b in list(self._gathers):
             self._wait_gather(b)
             if not torch.is_grad_enabled():
                 self._free_boundary(b)
-        self._register_pre_backward(output, self._root_pre_backward)
+        if torch.is_grad_enabled():
+            self.state = TrainingState.AWAITING_BACKWARD
+            self._register_pre_backward(output, lambda grad: self._start_backward())
+        else:
+            self.state = TrainingState.IDLE
         return None
 
-    def pre_forward(self, b: int):
+    def _pre_forward(self, b: int):
         def hook(module, args, kwargs):
-            if self._in_backward:
+            if self.state is TrainingState.BACKWARD:
                 # Activation-checkpoint recompute: the values must be here (Z3 gathers them
                 # in backward order, as its pre-backward would), and nothing else happens.
-                if self.d.reshard_after_forward:
+                if self.d.settings.reshard_after_forward:
                     self.backward_gathers.through(b)
                     self._wait_gather(b)
                 return None
-            self.d.record("forward", boundary=b)
-            self.forward_gathers.through(b)
-            self._wait_gather(b)
-            self._prefetch(self.forward_gathers)
+            with record_function(f"dmuon::pre_forward b{b}"):
+                self.forward_gathers.through(b)
+                self._wait_gather(b)
+                self._prefetch(self.forward_gathers)
             return None
 
         return hook
 
-    def post_forward(self, b: int):
+    def _post_forward(self, b: int):
         def hook(module, args, kwargs, output):
-            if self._in_backward:  # recompute: backward still needs the values
+            if self.state is TrainingState.BACKWARD:  # recompute: backward needs the values
                 return None
-            if self.d.reshard_after_forward or not torch.is_grad_enabled():
+            if self.d.settings.reshard_after_forward or not torch.is_grad_enabled():
                 self._free_boundary(b)
             self._register_pre_backward(output, lambda grad: self._pre_backward(b))
             return None
@@ -148,44 +236,24 @@ class HookDriver:
 
     # ---- backward --------------------------------------------------------------------------
     def _start_backward(self) -> None:
-        if self._in_backward:
+        if self.state is TrainingState.BACKWARD:
             return
-        self._in_backward = True
+        self.state = TrainingState.BACKWARD
         self.backward_gathers.reset()
-        self.reduces.reset()
+        self.reduce_sequence.reset()
         self._grad_counts = [0] * len(self._grad_counts)
         self._reduce_ready = [False] * len(self._reduce_ready)
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
-    def _root_pre_backward(self, grad) -> None:
-        self._start_backward()
-
     def _pre_backward(self, b: int) -> None:
         self._start_backward()
-        if not self.d.reshard_after_forward:
+        if not self.d.settings.reshard_after_forward:
             return
         self.backward_gathers.through(b)
         self._wait_gather(b)
         self._prefetch(self.backward_gathers)
 
-    def _prefetch(self, sequence: _Sequence) -> None:
-        """Start gathering the next boundary in ``sequence`` now, unless its values are
-        still arriving from the primary replica (then it is gathered when needed, and the
-        replicate broadcast keeps overlapping the current boundary's compute).
-
-        That choice depends on timing, so it differs between ranks. It only moves *when*
-        a gather is issued, never the order of the gathers, and the gathers have a group
-        of their own.
-        """
-        if sequence.next < len(sequence.order):
-            upcoming = sequence.order[sequence.next]
-            if self.d.replicas_landed(upcoming):
-                sequence.through(upcoming)
-
-    def register_param_hook(self, param: torch.Tensor, b: int) -> None:
-        param.register_post_accumulate_grad_hook(self.post_accumulate_grad(b))
-
-    def post_accumulate_grad(self, b: int):
+    def _post_accumulate_grad(self, b: int):
         def hook(param: torch.Tensor) -> None:
             self._start_backward()
             self._grad_counts[b] += 1
@@ -196,45 +264,40 @@ class HookDriver:
         return hook
 
     def _issue_ready_reduces(self) -> None:
-        order = self.reduces.order
-        while self.reduces.next < len(order) and self._reduce_ready[order[self.reduces.next]]:
-            self.reduces.through(order[self.reduces.next])
+        sequence = self.reduce_sequence
+        while sequence.upcoming() is not None and self._reduce_ready[sequence.upcoming()]:
+            sequence.through(sequence.upcoming())
 
     def _end_backward(self) -> None:
-        if self.d.reshard_after_forward:
+        if self.d.settings.reshard_after_forward:
             self.backward_gathers.finish()
-            for b in list(self._gather_works):
+            for b in list(self._gathers):
                 self._wait_gather(b)
         if self.d.requires_gradient_sync:
-            self.reduces.finish()
-            # Stage 2 (HSDP) starts per unit as soon as its stage-1 reduce has landed.
-            second_stage = []
-            for b, i, work, bucket in self._pending_reduces:
-                work.wait()
-                unit = self.d.boundaries[b].units[i]
-                second_stage.append((unit, self.d.reduce_to_primary(unit, bucket), bucket))
-            self._pending_reduces.clear()
-            for unit, work, bucket in second_stage:
-                if work is not None:
-                    work.wait()
-                self.d.unpack_grads(unit, bucket)
-            if self.d.syncs_other_grads:
-                self.d.sync_other_grads()
-            self.d.synced_backwards += 1
-        for b in range(len(self.d.boundaries)):
+            self.reduce_sequence.finish()
+            reduces, self._reduces = self._reduces, []
+            with record_function("dmuon::finish_reduces"):
+                self.d.finish_reduces(reduces)
+        for b in range(len(self._expected)):
             self._free_boundary(b)
-        self._in_backward = False
+        self.state = TrainingState.IDLE
 
-
-def register_hooks(dedication: Dedication) -> HookDriver:
-    """Attach the hooks of ``dedication`` to its model, boundaries and parameters."""
-    driver = HookDriver(dedication)
-    model = dedication.model
-    model.register_forward_pre_hook(driver.root_pre_forward, prepend=True, with_kwargs=True)
-    for b, boundary in enumerate(dedication.boundaries):
-        boundary.module.register_forward_pre_hook(driver.pre_forward(b), with_kwargs=True)
-        boundary.module.register_forward_hook(driver.post_forward(b), with_kwargs=True)
-    model.register_forward_hook(driver.root_post_forward, with_kwargs=True)
-    dedication.driver = driver
-    dedication.bind_params()
-    return driver
+    # ---- failure -------------------------------------------------------------------------
+    def reset_iter_state(self) -> None:
+        """If the last pass raised half-way (the state is not idle): wait for the
+        collectives it issued (every rank issued the same ones up to the same point),
+        drop its partial reduces and free what it gathered."""
+        if self.state not in (TrainingState.FORWARD, TrainingState.BACKWARD):
+            return
+        logger.warning(
+            "dmuon: the previous %s pass did not finish; discarding its state (its "
+            "dedicated gradients are dropped)",
+            self.state.name.lower(),
+        )
+        for b in list(self._gathers):
+            self._wait_gather(b)
+        reduces, self._reduces = self._reduces, []
+        self.d.discard_reduces(reduces)
+        for b in range(len(self._expected)):
+            self._free_boundary(b)
+        self.state = TrainingState.IDLE

@@ -1,6 +1,6 @@
 """The dedication plan: which matrices, under which hook boundary, owned by which slot.
 
-Pure bookkeeping (no collectives): every rank builds the same plan from the same model.
+Pure bookkeeping, no collectives: every rank builds the same plan from the same model.
 
 Owners are *slots* ``s`` in ``[0, R * G)`` for an ``R x G`` (replicate, shard) layout (R = 1
 without HSDP). Slot ``s`` lives in shard-group *column* ``s % G`` of every replica, and its
@@ -11,16 +11,24 @@ and runs Newton-Schulz.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-import torch
 from torch import nn
 
-from torchtitan_dmuon.engine.partition import PartitionItem, assign_owners
+from torchtitan_dmuon.engine.partition import PartitionItem, assign_owners, load_balance
 from torchtitan_dmuon.optim.newton_schulz import ns_flops
 
-__all__ = ["Boundary", "DedicatedParam", "Unit", "build_plan", "default_boundary_modules"]
+__all__ = [
+    "Boundary",
+    "BoundaryPredicate",
+    "DedicatedParam",
+    "Plan",
+    "UnitPlan",
+    "build_plan",
+    "default_boundary_modules",
+]
 
 BoundaryPredicate = Callable[[str, nn.Module], bool]
 
@@ -31,7 +39,8 @@ class DedicatedParam:
 
     Attributes:
         name: Fully qualified name in the model.
-        param: The module's parameter (the same object before and after dedication).
+        param: The module's current parameter object (re-bound by name when a
+            conversion such as ``to_empty`` registers a new one).
         offset: Its offset in its unit's flat buffer.
     """
 
@@ -39,44 +48,30 @@ class DedicatedParam:
     param: nn.Parameter
     offset: int = 0
 
+    @property
+    def numel(self) -> int:
+        return self.param.numel()
+
 
 @dataclass(eq=False)
-class Unit:
+class UnitPlan:
     """The matrices of one boundary that share an owner slot: one collective each way.
 
     Attributes:
+        boundary: Index of its boundary (forward order).
         column: Shard-group rank that holds the unit in every replica.
-        replica: Replicate-group rank of the primary owner.
-        params: Its matrices, in model order.
-        flat: One contiguous buffer (compute dtype) that the parameters are views of; its
-            storage is freed on ranks outside the column between uses.
-        master: Primary only, under mixed precision: the full-precision values.
-        master_dtype: Dtype of the master values (the parameters' own dtype).
-        reduce_dtype: Dtype gradients are reduced in.
-        replica_work: In-flight asynchronous broadcast of new values across replicas.
+        primary_replica: Replicate-group rank of the primary owner.
+        params: Its matrices, in model order, with their offsets in the flat buffer.
     """
 
+    boundary: int
     column: int
-    replica: int
+    primary_replica: int
     params: list[DedicatedParam]
-    flat: torch.Tensor | None = None
-    master: torch.Tensor | None = None
-    master_dtype: torch.dtype | None = None
-    reduce_dtype: torch.dtype | None = None
-    replica_work: object | None = None
 
     @property
     def numel(self) -> int:
-        return sum(d.param.numel() for d in self.params)
-
-    def view(self, buffer: torch.Tensor, d: DedicatedParam) -> torch.Tensor:
-        """``d``'s slice of a buffer laid out like ``flat``."""
-        return buffer[d.offset : d.offset + d.param.numel()].view(d.param.shape)
-
-    def master_view(self, d: DedicatedParam) -> torch.Tensor:
-        """The full-precision value the optimizer updates (the parameter itself without
-        mixed precision)."""
-        return d.param.data if self.master is None else self.view(self.master, d)
+        return sum(d.numel for d in self.params)
 
 
 @dataclass(eq=False)
@@ -91,12 +86,49 @@ class Boundary:
 
     name: str
     module: nn.Module
-    units: list[Unit] = field(default_factory=list)
+    units: list[UnitPlan] = field(default_factory=list)
 
     @property
     def params(self) -> Iterator[DedicatedParam]:
         for unit in self.units:
             yield from unit.params
+
+
+@dataclass(eq=False)
+class Plan:
+    """Boundaries in forward order over a ``replicate_size x shard_size`` layout."""
+
+    boundaries: list[Boundary]
+    shard_size: int
+    replicate_size: int
+
+    @property
+    def units(self) -> list[UnitPlan]:
+        return [u for b in self.boundaries for u in b.units]
+
+    @property
+    def params(self) -> list[DedicatedParam]:
+        return [d for b in self.boundaries for d in b.params]
+
+    def fingerprint(self, *extra) -> int:
+        """A hash of the plan (and of ``extra`` settings); equal on every rank iff they
+        agree on it."""
+        h = hashlib.sha256(repr((self.shard_size, self.replicate_size, extra)).encode())
+        for i, b in enumerate(self.boundaries):
+            for u in b.units:
+                for d in u.params:
+                    key = (i, b.name, d.name, tuple(d.param.shape), u.column, u.primary_replica)
+                    h.update(repr(key).encode())
+        return int.from_bytes(h.digest()[:7], "little")
+
+    def balance(self) -> float:
+        """Max over mean Newton-Schulz load over all ranks (1.0 is perfect)."""
+        items, owners = [], []
+        for unit in self.units:
+            for d in unit.params:
+                items.append(PartitionItem(ns_flops(d.param.shape, 1), 0))
+                owners.append(unit.primary_replica * self.shard_size + unit.column)
+        return load_balance(items, owners, self.shard_size * self.replicate_size)
 
 
 def default_boundary_modules(model: nn.Module) -> set[nn.Module]:
@@ -127,12 +159,15 @@ def build_plan(
     shard_size: int,
     replicate_size: int,
     hook_boundary_predicate: BoundaryPredicate | None,
-) -> list[Boundary]:
+) -> Plan:
     """Group the selected matrices by boundary and owner slot.
 
     Boundaries come in module (forward) order, so that collectives follow one fixed
     sequence on every rank; slots come from one global LPT partition over all
     ``replicate_size * shard_size`` ranks.
+
+    Raises:
+        ValueError: one boundary's matrices mix dtypes or devices (one flat buffer each).
     """
     if hook_boundary_predicate is None:
         blocks = default_boundary_modules(model)
@@ -154,17 +189,25 @@ def build_plan(
     for (name, p), bname, slot in zip(selected, names, slots, strict=True):
         boundary = boundaries[index[bname]]
         column, replica = slot % shard_size, slot // shard_size
-        unit = next((u for u in boundary.units if (u.column, u.replica) == (column, replica)), None)
+        unit = next(
+            (u for u in boundary.units if (u.column, u.primary_replica) == (column, replica)),
+            None,
+        )
         if unit is None:
-            unit = Unit(column=column, replica=replica, params=[])
+            unit = UnitPlan(index[bname], column, replica, params=[])
             boundary.units.append(unit)
         unit.params.append(DedicatedParam(name=name, param=p))
     for boundary in boundaries:
-        boundary.units.sort(key=lambda u: (u.replica, u.column))
+        boundary.units.sort(key=lambda u: (u.primary_replica, u.column))
         kinds = {(d.param.dtype, d.param.device.type) for d in boundary.params}
         if len(kinds) > 1:
             raise ValueError(
                 f"dedicated parameters under boundary {boundary.name!r} mix dtypes/devices "
                 f"{sorted(map(str, kinds))}"
             )
-    return boundaries
+        for unit in boundary.units:
+            offset = 0
+            for d in unit.params:
+                d.offset = offset
+                offset += d.numel
+    return Plan(boundaries, shard_size, replicate_size)

@@ -98,17 +98,18 @@ def _dedicate(model: nn.Module, mesh: DeviceMesh, settings: DMuon) -> None:
     else:
         shard_mesh, replicate_mesh = mesh, None
     predicate, boundary_predicate = _predicates(model, settings)
-    dedication = dedicate_params(
+    dedicate_params(
         model,
         shard_mesh,
         predicate,
         replicate_mesh=replicate_mesh,
         hook_boundary_predicate=boundary_predicate,
         reshard_after_forward=settings.reshard_after_forward,
+        replicate_async=settings.replicate_async,
+        # TorchTitan divides the loss by the global token count and turns off FSDP's
+        # gradient division: gradients are sums over ranks, and so are the dedicated ones.
+        gradient_divide_factor=1.0,
     )
-    # TorchTitan divides the loss by the global token count and turns off FSDP's gradient
-    # division: gradients are sums over ranks, and so are the dedicated ones.
-    dedication.set_gradient_divide_factor(1.0)
     _SETTINGS[model] = settings
 
 

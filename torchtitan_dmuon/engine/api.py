@@ -1,0 +1,246 @@
+"""The engine's public functions: ``dedicate_params`` and the readers around it.
+
+``dedicate_params`` gives each selected matrix parameter one owner rank. The owner keeps
+the full parameter and (through the optimizer) its momentum, receives the SUM-reduced
+gradient, orthogonalizes it alone and updates the parameter in place; the other ranks
+receive the value by broadcast right before they need it and free it again.
+
+Three decisions are kept apart: WHO owns a matrix (one global LPT partition over the NS
+cost, over all R x G ranks under HSDP: ``plan.py``), WHERE the hooks attach (the hook
+*boundary* module; all its matrices with the same owner form one *unit*, moved by one
+collective: ``unit.py``, ``hooks.py``) and WHETHER a rank steps a matrix (only the primary
+owner holds its reduced gradient: ``Dedication.owned_grads``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+from torchtitan_dmuon.engine.dedication import Dedication, get_dedication
+from torchtitan_dmuon.engine.plan import BoundaryPredicate, build_plan
+from torchtitan_dmuon.engine.selection import Predicate, select_matrices
+from torchtitan_dmuon.engine.settings import DedicationSettings
+from torchtitan_dmuon.optim.newton_schulz import matrix_count
+
+__all__ = [
+    "dedicate_params",
+    "get_full_param",
+    "reset_iter_state",
+    "set_requires_gradient_sync",
+    "verify_plan",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def get_full_param(model: nn.Module, name: str) -> torch.Tensor:
+    """The full value of dedicated parameter ``name`` on every rank (a collective), for
+    evaluation, export and tests."""
+    dedication = get_dedication(model)
+    if dedication is None:
+        raise ValueError("model was not prepared by dedicate_params")
+    return dedication.full_param(name)
+
+
+def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -> None:
+    """Turn gradient reduction on or off for the dedicated parameters and, like
+    ``FSDPModule.set_requires_gradient_sync``, for every FSDP module in ``model``.
+
+    Use it for gradient accumulation without a reduce per micro-batch: off for all but
+    the last micro-batch. Every rank must set the same value.
+    """
+    dedication = get_dedication(model)
+    if dedication is not None:
+        dedication.requires_gradient_sync = requires_gradient_sync
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_requires_gradient_sync(requires_gradient_sync, recurse=False)
+
+
+def reset_iter_state(model: nn.Module) -> None:
+    """Recover from a forward or backward that raised half-way, as
+    ``FSDPModule.reset_iter_state`` does for FSDP2: call it on every rank after catching
+    the exception, then run the next iteration normally.
+
+    The engine's part (waiting for the collectives the failed pass issued, dropping its
+    partial gradients, freeing what it gathered) also happens by itself at the next
+    forward; FSDP2's part does not, so this calls ``reset_iter_state`` on each top-most
+    FSDP module of ``model`` too. The failed pass's gradients are lost.
+    """
+    dedication = get_dedication(model)
+    if dedication is not None:
+        dedication.driver.reset_iter_state()
+    for name, module in model.named_modules():
+        if isinstance(module, FSDPModule) and not any(
+            isinstance(model.get_submodule(ancestor), FSDPModule)
+            for ancestor in _ancestors(name)
+        ):
+            module.reset_iter_state()
+            _drop_unsharded_grads(module)
+
+
+def _drop_unsharded_grads(root: FSDPModule) -> None:
+    """FSDP2's ``reset_iter_state`` (torch 2.13) keeps the unsharded gradients that
+    parameter groups whose reduce-scatter never ran had accumulated (the root's norm and
+    output head, when backward fails in a block); the next backward would add to them."""
+    for module in root.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        for group in fully_shard.state(module)._fsdp_param_groups:
+            for fsdp_param in group.fsdp_params:
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                if unsharded is not None:
+                    unsharded.grad = None
+
+
+def _ancestors(name: str) -> list[str]:
+    parts = name.split(".") if name else []
+    return [".".join(parts[:depth]) for depth in range(len(parts))]
+
+
+def verify_plan(dedication: Dedication) -> None:
+    """Check with one small all-gather that every rank holds the same plan and sits where
+    the (replicate, shard) layout says.
+
+    Every rank sees every rank's answer and raises alike, so a mismatch cannot reach a
+    later collective.
+    """
+    world = dist.get_world_size()
+    device = torch.device("cpu")
+    if dedication.mesh.device_type != "cpu":
+        device = torch.device(dedication.mesh.device_type, torch.accelerator.current_device_index())
+    fingerprint = dedication.plan.fingerprint(dedication.settings.reshard_after_forward)
+    mine = torch.tensor(
+        [fingerprint, dedication.replicate_rank, dedication.shard_rank],
+        dtype=torch.int64,
+        device=device,
+    )
+    everyone = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(everyone, mine)
+    table = [[int(x) for x in t.tolist()] for t in everyone]
+    fingerprints = [row[0] for row in table]
+    if len(set(fingerprints)) != 1:
+        raise RuntimeError(
+            "ranks disagree about the dedication plan (different model, predicate, "
+            f"hook boundaries or mesh per rank); plan fingerprints by rank: {fingerprints}"
+        )
+    coordinates = [(row[1], row[2]) for row in table]
+    if len(set(coordinates)) != world:
+        raise ValueError(
+            "replicate_mesh does not line up with mesh: the (replicate, shard) "
+            f"coordinates of the ranks are not all distinct: {coordinates}"
+        )
+
+
+def _validate_meshes(mesh: DeviceMesh, replicate_mesh: DeviceMesh | None) -> None:
+    if not dist.is_initialized():
+        raise RuntimeError("dedicate_params needs an initialized default process group")
+    for arg, m in (("mesh", mesh), ("replicate_mesh", replicate_mesh)):
+        if m is None:
+            continue
+        if not isinstance(m, DeviceMesh):
+            raise TypeError(f"{arg} must be a DeviceMesh, got {type(m).__name__}")
+        if m.ndim != 1:
+            raise ValueError(
+                f"{arg} must be 1-D, got a {m.ndim}-D mesh; for HSDP pass hsdp['shard'] as "
+                "mesh and hsdp['replicate'] as replicate_mesh"
+            )
+    world = dist.get_world_size()
+    if replicate_mesh is None:
+        if mesh.size() != world:
+            raise ValueError(
+                f"mesh has {mesh.size()} ranks but the process group has {world}; without "
+                "replicate_mesh a 1-D mesh must span every rank"
+            )
+        return
+    shard_ranks = set(mesh.mesh.flatten().tolist())
+    replicate_ranks = set(replicate_mesh.mesh.flatten().tolist())
+    if mesh.size() * replicate_mesh.size() != world or shard_ranks & replicate_ranks != {
+        dist.get_rank()
+    }:
+        raise ValueError(
+            "replicate_mesh does not line up with mesh: expected the shard group "
+            f"({sorted(shard_ranks)}) and the replicate group ({sorted(replicate_ranks)}) "
+            f"to meet in this rank only and to multiply to the world size ({world}); use "
+            "hsdp['shard'] and hsdp['replicate'] of one 2-D mesh"
+        )
+
+
+@torch.no_grad()
+def dedicate_params(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    predicate: Predicate,
+    *,
+    replicate_mesh: DeviceMesh | None = None,
+    hook_boundary_predicate: BoundaryPredicate | None = None,
+    reshard_after_forward: bool = True,
+    replicate_async: bool = False,
+    gradient_divide_factor: float | None = None,
+) -> Dedication:
+    """Give every matrix parameter selected by ``predicate`` one owner rank.
+
+    Call it on every rank, before ``fully_shard``; ``fully_shard`` then skips the dedicated
+    parameters. Build :class:`torchtitan_dmuon.Muon` on the same model afterwards.
+
+    Args:
+        model: The model (not yet sharded).
+        mesh: 1-D shard mesh (FSDP2's mesh, or the DDP group); with ``replicate_mesh``, the
+            shard dimension of the HSDP mesh.
+        predicate: ``predicate(name, param)`` selects the matrices to dedicate.
+        replicate_mesh: HSDP replicate dimension (``hsdp["replicate"]``): owners are spread
+            over all R x G ranks and gradients are reduced in two stages.
+        hook_boundary_predicate: ``pred(module_name, module)`` picks the modules whose hooks
+            move the dedicated parameters under them (innermost match wins). Default: the
+            modules held in an ``nn.ModuleList``/``nn.ModuleDict`` (transformer blocks),
+            else the root.
+        reshard_after_forward: True (Z3) or False (Z2); see :class:`DedicationSettings`.
+        replicate_async: HSDP: hide the replicate broadcast behind the next forward
+            (``Muon(replicate_async=True)`` sets the same).
+        gradient_divide_factor: See :class:`DedicationSettings`.
+
+    Returns:
+        The :class:`Dedication` (also reachable through :func:`get_dedication`).
+
+    Raises:
+        ValueError / TypeError / RuntimeError: bad input, always before any collective.
+    """
+    _validate_meshes(mesh, replicate_mesh)
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        raise RuntimeError(
+            "dedicate_params must be called before fully_shard: the model already has "
+            "FSDP-wrapped modules"
+        )
+    if get_dedication(model) is not None:
+        raise RuntimeError("dedicate_params was already applied to this model")
+    if replicate_async and replicate_mesh is None:
+        raise ValueError("replicate_async=True needs replicate_mesh (HSDP)")
+    settings = DedicationSettings(reshard_after_forward, replicate_async, gradient_divide_factor)
+    selected = select_matrices(model, predicate)
+    plan = build_plan(
+        model,
+        selected,
+        shard_size=mesh.size(),
+        replicate_size=replicate_mesh.size() if replicate_mesh is not None else 1,
+        hook_boundary_predicate=hook_boundary_predicate,
+    )
+    dedication = Dedication(model, plan, settings, mesh, replicate_mesh)
+    logger.info(
+        "dedicate_params: %d parameters (%d matrices), %d boundaries, %d units over "
+        "%d x %d ranks, NS balance %.3f, %s",
+        len(plan.params),
+        sum(matrix_count(d.param.shape) for d in plan.params),
+        len(plan.boundaries),
+        len(plan.units),
+        plan.replicate_size,
+        plan.shard_size,
+        plan.balance(),
+        "Z3" if reshard_after_forward else "Z2",
+    )
+    return dedication

@@ -1,0 +1,93 @@
+"""DDP-style synchronization of the parameters that no FSDP module covers.
+
+With no ``fully_shard`` at all (DDP-style) or a partial one, some trainable parameters
+that are not dedicated are plain tensors that nothing else keeps in sync. The engine starts
+them from rank 0's values (as DDP does) and all-reduces their gradients at the end of each
+reduced backward, in one bucket.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from torchtitan_dmuon.engine import comm
+from torchtitan_dmuon.engine.settings import DedicationSettings
+from torchtitan_dmuon.engine.unit import BucketPool, flagged_grad_bucket
+
+__all__ = ["OtherParams"]
+
+logger = logging.getLogger(__name__)
+
+
+class OtherParams:
+    """The non-dedicated trainable parameters left to the engine.
+
+    Attributes:
+        params: Trainable, not dedicated, not FSDP-managed (plain tensors); empty when the
+            job has one rank.
+    """
+
+    def __init__(self, model: nn.Module, dedicated_names: set[str], world_size: int) -> None:
+        named = [
+            (name, p)
+            for name, p in model.named_parameters()
+            if p.requires_grad and name not in dedicated_names and not isinstance(p, DTensor)
+        ]
+        if world_size == 1:
+            named = []
+        self.params: list[nn.Parameter] = [p for _, p in named]
+        self._fsdp_anywhere = any(isinstance(p, DTensor) for p in model.parameters())
+        if named and self._fsdp_anywhere:
+            names = [name for name, _ in named]
+            logger.info(
+                "dedicate_params: %d parameters outside every fully_shard are kept in sync "
+                "DDP-style by the engine: %s",
+                len(names),
+                names,
+            )
+
+    @torch.no_grad()
+    def broadcast_from_rank0(self, model: nn.Module) -> None:
+        """Start every replica from rank 0's values, as DDP does (with no FSDP at all,
+        the buffers too)."""
+        for p in self.params:
+            dist.broadcast(p.data, src=0)
+        if not self._fsdp_anywhere and self.params:
+            for b in model.buffers():
+                dist.broadcast(b.data, src=0)
+
+    @torch.no_grad()
+    def sync_grads(
+        self, settings: DedicationSettings, stats: comm.CommStats, pool: BucketPool
+    ) -> None:
+        """Average (or sum, per ``settings``) their gradients over all ranks, in one bucket.
+
+        The bucket has a place and a has-gradient flag for every parameter, so a rank that
+        skipped a module sends the same bucket as the others: a gradient no rank computed
+        stays ``None``, one that some ranks computed counts the others as zeros (as DDP
+        with ``find_unused_parameters``).
+        """
+        if not self.params:
+            return
+        dtype = functools.reduce(torch.promote_types, (p.dtype for p in self.params))
+        bucket = flagged_grad_bucket(self.params, dtype, self.params[0].device, pool)
+        numel = bucket.numel() - len(self.params)
+        comm.all_reduce_sum(bucket, None, stats).wait()
+        bucket[:numel].div_(settings.divide_factor(dist.get_world_size()))
+        offset = 0
+        for p, has_grad in zip(self.params, bucket[numel:].tolist(), strict=True):
+            mean = bucket[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+            if not has_grad:
+                continue
+            if p.grad is None:
+                p.grad = mean.to(p.dtype, copy=True)
+            else:
+                p.grad.copy_(mean)
+        pool.give(bucket)

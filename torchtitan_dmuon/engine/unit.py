@@ -1,0 +1,205 @@
+"""A unit's storage: one flat buffer per (boundary, owner slot) and its gradients.
+
+The parameters of a unit are views of its flat buffer (in the compute dtype). Ranks outside
+the unit's column free the buffer's storage between uses and re-grow the *same* storage
+before the next use (as FSDP2 does with its unsharded parameters), so every view that
+autograd saved in forward still sees the values in backward. The primary owner keeps a
+full-precision master under mixed precision, and the reduced gradient in the master dtype,
+accumulated over micro-batches until ``zero_grad``.
+
+Reduce buckets are transient on every rank and come from a :class:`BucketPool`: a step
+needs the same bucket sizes every time, so after the first step nothing new is allocated.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from torch import nn
+
+from torchtitan_dmuon.engine.plan import DedicatedParam, UnitPlan
+
+__all__ = ["BucketPool", "Unit", "flagged_grad_bucket"]
+
+
+class BucketPool:
+    """Reusable 1-D buffers by (numel, dtype, device).
+
+    The allocator of a CPU process does not cache like the CUDA one: buffers freed and
+    allocated again every step fragment the heap and the process grows. Holding them here
+    bounds the engine's transient memory by the most buckets in flight at once.
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        free = self._free[(numel, dtype, device)]
+        return free.pop() if free else torch.empty(numel, dtype=dtype, device=device)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        self._free[(buffer.numel(), buffer.dtype, buffer.device)].append(buffer)
+
+    def clear(self) -> None:
+        self._free.clear()
+
+
+def flagged_grad_bucket(
+    params: list[nn.Parameter], dtype: torch.dtype, device: torch.device, pool: BucketPool
+) -> torch.Tensor:
+    """Every parameter's gradient back to back (zeros where it has none), then one
+    has-gradient flag per parameter: a bucket of the same size on every rank, whatever
+    gradients each rank computed, so that a gradient no rank computed can be told from
+    one whose sum is zero."""
+    numel = sum(p.numel() for p in params)
+    bucket = pool.take(numel + len(params), dtype, device)
+    offset = 0
+    for i, p in enumerate(params):
+        piece = bucket[offset : offset + p.numel()]
+        if p.grad is not None:
+            piece.copy_(p.grad.reshape(-1))
+        else:
+            piece.zero_()
+        bucket[numel + i] = p.grad is not None
+        offset += p.numel()
+    return bucket
+
+
+class Unit:
+    """The runtime side of a :class:`UnitPlan` on this rank.
+
+    Attributes:
+        plan: Its matrices and owner slot.
+        holds: This rank is the unit's column: it keeps the values between steps.
+        primary: This rank is the primary owner: master, momentum, reduced gradient and
+            Newton-Schulz.
+        flat: The buffer the parameters are views of (compute dtype).
+        master: Primary only, under mixed precision: the full-precision values.
+        grad: Primary only: the reduced (mean or sum) gradient, master dtype.
+        grad_flags: Primary only: which matrices have a gradient since ``zero_grad``.
+    """
+
+    def __init__(self, plan: UnitPlan, *, holds: bool, primary: bool) -> None:
+        self.plan = plan
+        self.holds = holds
+        self.primary = primary
+        self.flat: torch.Tensor | None = None
+        self.master: torch.Tensor | None = None
+        self.master_dtype: torch.dtype | None = None
+        self.reduce_dtype: torch.dtype | None = None
+        self.grad: torch.Tensor | None = None
+        self.grad_flags: torch.Tensor | None = None
+        self._has_grads = False
+
+    @property
+    def column(self) -> int:
+        return self.plan.column
+
+    @property
+    def primary_replica(self) -> int:
+        return self.plan.primary_replica
+
+    @property
+    def params(self) -> list[DedicatedParam]:
+        return self.plan.params
+
+    @property
+    def numel(self) -> int:
+        return self.plan.numel
+
+    @staticmethod
+    def view(buffer: torch.Tensor, d: DedicatedParam) -> torch.Tensor:
+        """``d``'s slice of a buffer laid out like ``flat``."""
+        return buffer[d.offset : d.offset + d.numel].view(d.param.shape)
+
+    def master_view(self, d: DedicatedParam) -> torch.Tensor:
+        """The full-precision value the optimizer updates (the parameter itself without
+        mixed precision)."""
+        return d.param.data if self.master is None else self.view(self.master, d)
+
+    # ---- storage ---------------------------------------------------------------------
+    @torch.no_grad()
+    def bind(self, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None) -> None:
+        """Make the parameters views of one flat buffer holding their current values.
+
+        Under an FSDP2 ``MixedPrecisionPolicy`` the buffer (what forward uses and what is
+        broadcast) is in ``param_dtype`` and the primary keeps a full-precision master;
+        gradients are reduced in ``reduce_dtype`` (FSDP2's default: the compute dtype).
+        """
+        self.master_dtype = self.params[0].param.dtype
+        compute_dtype = param_dtype or self.master_dtype
+        self.reduce_dtype = reduce_dtype or compute_dtype
+        values = torch.cat([d.param.detach().reshape(-1) for d in self.params])
+        if self.primary and compute_dtype != self.master_dtype:
+            self.master = values
+        self.flat = values.to(compute_dtype)
+        for d in self.params:
+            d.param.data = self.view(self.flat, d)
+        self.free()
+
+    def allocate(self) -> None:
+        storage = self.flat.untyped_storage()
+        if storage.size() == 0:
+            storage.resize_(self.numel * self.flat.element_size())
+
+    def free(self) -> None:
+        """Drop the copy of a rank outside the unit's column (the parameters keep their
+        shape, not their data)."""
+        if not self.holds:
+            self.flat.untyped_storage().resize_(0)
+
+    @torch.no_grad()
+    def masters_to_flat(self) -> None:
+        if self.master is not None:
+            self.flat.copy_(self.master)
+
+    # ---- gradients -------------------------------------------------------------------
+    def pack_grads(self, pool: BucketPool) -> torch.Tensor:
+        """The reduce bucket (reduce dtype, a has-gradient flag per matrix after the
+        values). Consumes the local gradients."""
+        params = [d.param for d in self.params]
+        bucket = flagged_grad_bucket(params, self.reduce_dtype, self.flat.device, pool)
+        for p in params:
+            p.grad = None
+        return bucket
+
+    @torch.no_grad()
+    def accumulate_grads(self, bucket: torch.Tensor, divide_factor: float) -> None:
+        """Primary: add the reduced bucket, divided once, to the reduced gradient (in the
+        master dtype, whatever dtype the reduce ran in)."""
+        values, flags = bucket[: self.numel], bucket[self.numel :]
+        values.div_(divide_factor)
+        if self.grad is None:
+            self.grad = torch.empty(self.numel, dtype=self.master_dtype, device=bucket.device)
+            self.grad_flags = torch.zeros(len(self.params), dtype=torch.bool, device=bucket.device)
+        if self._has_grads:
+            self.grad.add_(values)
+            self.grad_flags |= flags != 0
+        else:
+            self.grad.copy_(values)
+            self.grad_flags.copy_(flags != 0)
+            self._has_grads = True
+
+    def zero_grad(self) -> None:
+        self._has_grads = False
+
+    def grads_held(self) -> torch.Tensor | None:
+        """Primary, after a reduced backward: the has-gradient flags (a device tensor)."""
+        return self.grad_flags if self._has_grads else None
+
+    def grad_view(self, d: DedicatedParam) -> torch.Tensor:
+        return self.view(self.grad, d)
+
+    def memory_bytes(self) -> dict[str, int]:
+        """What this rank keeps between steps for the unit (see
+        :meth:`Dedication.memory_bytes`)."""
+        held = {"params": 0, "masters": 0, "momentum": 0}
+        if self.holds and self.flat is not None:
+            held["params"] = self.numel * self.flat.element_size()
+        if self.master is not None:
+            held["masters"] = self.master.numel() * self.master.element_size()
+        if self.primary:
+            dtype = self.master_dtype or self.params[0].param.dtype
+            held["momentum"] = self.numel * dtype.itemsize
+        return held
