@@ -271,6 +271,13 @@ def fsdp_patch_worker(rank, world):
         out[installed] = {n: isinstance(p, DTensor) for n, p in model.named_parameters()}
     patches.install()
     out["reinstalled"] = patches.is_installed()
+    # Dedication.remove() undoes one model's dedication: its hooks, marks and groups go.
+    model = make_model(seed=0)
+    dedication = dedicate_params(model, mesh, proj_predicate)
+    dedication.remove()
+    out["removed_registered"] = get_dedication(model) is not None
+    fully_shard(model, mesh=mesh)
+    out["after_remove"] = {n: isinstance(p, DTensor) for n, p in model.named_parameters()}
     return out
 
 
@@ -281,6 +288,8 @@ def test_fully_shard_skips_dedicated_params_until_uninstalled():
         assert is_dtensor == (not proj_predicate(name, params[name])), name
     assert all(result[False].values())
     assert result["reinstalled"]
+    assert not result["removed_registered"]
+    assert all(result["after_remove"].values())
 
 
 def _tied_model():

@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
+from torchtitan_dmuon.engine import comm
 from torchtitan_dmuon.engine.dedication import Dedication, get_dedication
 from torchtitan_dmuon.engine.plan import BoundaryPredicate, build_plan
 from torchtitan_dmuon.engine.selection import Predicate, select_matrices
@@ -39,13 +40,30 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
+@torch.no_grad()
 def get_full_param(model: nn.Module, name: str) -> torch.Tensor:
-    """The full value of dedicated parameter ``name`` on every rank (a collective), for
-    evaluation, export and tests."""
+    """The current full value of dedicated parameter ``name`` on every rank, in the master
+    precision, for evaluation, export and tests. A collective: every rank must call it, in
+    the same order."""
     dedication = get_dedication(model)
     if dedication is None:
         raise ValueError("model was not prepared by dedicate_params")
-    return dedication.full_param(name)
+    found = [(u, d) for u in dedication.units for d in u.params if d.name == name]
+    if not found:
+        raise KeyError(f"{name!r} is not a dedicated parameter")
+    unit, d = found[0]
+    if not dedication.initialized:
+        return d.param.detach().clone()
+    if unit.primary:
+        value = unit.master_view(d).clone()
+    else:
+        value = torch.empty(d.param.shape, dtype=unit.master_dtype, device=unit.flat.device)
+    replicas = dedication.replicas
+    if replicas is not None and unit.holds:
+        replicas.wait(unit)
+        comm.broadcast(value, unit.primary_replica, replicas.group, dedication.stats, "read").wait()
+    comm.broadcast(value, unit.column, dedication.shard_group, dedication.stats, "read").wait()
+    return value
 
 
 def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -> None:
@@ -78,8 +96,7 @@ def reset_iter_state(model: nn.Module) -> None:
         dedication.driver.reset_iter_state()
     for name, module in model.named_modules():
         if isinstance(module, FSDPModule) and not any(
-            isinstance(model.get_submodule(ancestor), FSDPModule)
-            for ancestor in _ancestors(name)
+            isinstance(model.get_submodule(ancestor), FSDPModule) for ancestor in _ancestors(name)
         ):
             module.reset_iter_state()
             _drop_unsharded_grads(module)

@@ -286,28 +286,6 @@ class Dedication:
                 total[key] += value
         return total
 
-    @torch.no_grad()
-    def full_param(self, name: str) -> torch.Tensor:
-        """The current full value of dedicated parameter ``name`` on every rank, in the
-        master precision. A collective: every rank must call it, in the same order."""
-        found = [(u, d) for u in self.units for d in u.params if d.name == name]
-        if not found:
-            raise KeyError(f"{name!r} is not a dedicated parameter")
-        unit, d = found[0]
-        if not self.initialized:
-            return d.param.detach().clone()
-        if unit.primary:
-            value = unit.master_view(d).clone()
-        else:
-            value = torch.empty(d.param.shape, dtype=unit.master_dtype, device=unit.flat.device)
-        if self.replicas is not None and unit.holds:
-            self.replicas.wait(unit)
-            comm.broadcast(
-                value, unit.primary_replica, self.replicas.group, self.stats, "read"
-            ).wait()
-        comm.broadcast(value, unit.column, self.shard_group, self.stats, "read").wait()
-        return value
-
     def remove(self) -> None:
         """Undo :func:`dedicate_params`: the hooks and marks go (the values stay where they
         are) and the engine's process groups are destroyed."""

@@ -25,9 +25,7 @@ def _embedding_like(model: nn.Module) -> dict[int, str]:
         if isinstance(module, nn.Embedding):
             found[id(module.weight)] = "an embedding"
             vocabularies.add(module.num_embeddings)
-    in_blocks = {
-        id(m) for block in default_boundary_modules(model) for m in block.modules()
-    }
+    in_blocks = {id(m) for block in default_boundary_modules(model) for m in block.modules()}
     for module in model.modules():
         if (
             isinstance(module, nn.Linear)
