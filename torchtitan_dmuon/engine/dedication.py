@@ -11,7 +11,6 @@ protocol: :meth:`owned_grads`, :meth:`before_step`, :meth:`after_step`, :meth:`z
 
 from __future__ import annotations
 
-import dataclasses
 import weakref
 
 import torch
@@ -120,11 +119,6 @@ class Dedication:
         ranks) and, under HSDP, replicate."""
         groups = [self.shard_group, self.reduce_group]
         return groups + ([self.replicas.group] if self.replicas is not None else [])
-
-    def set_gradient_divide_factor(self, factor: float | None) -> None:
-        """Like ``FSDPModule.set_gradient_divide_factor``: divide reduced gradients by
-        ``factor`` (None: the number of ranks)."""
-        self.settings = dataclasses.replace(self.settings, gradient_divide_factor=factor)
 
     # ---- binding -----------------------------------------------------------------------
     def bind_params(self) -> None:
