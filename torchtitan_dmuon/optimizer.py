@@ -62,6 +62,11 @@ class Muon(torch.optim.Optimizer):
         adamw_betas: AdamW betas.
         adamw_eps: AdamW epsilon.
         adamw_weight_decay: AdamW decoupled weight decay.
+        adamw_foreach: ``foreach`` of the inner ``torch.optim.AdamW``; None: torch's
+            default.
+        adamw_fused: ``fused`` of the inner ``torch.optim.AdamW``; None: fused on CUDA
+            when every AdamW parameter is floating point and ``adamw_foreach`` is not
+            True, torch's default elsewhere.
         replicate_async: Under HSDP, broadcast new values across replicas asynchronously
             (requires ``dedicate_params(..., replicate_mesh=...)``).
         predicate: One-process selection of Muon parameters, ``predicate(name, param)``;
@@ -86,6 +91,8 @@ class Muon(torch.optim.Optimizer):
         adamw_betas: tuple[float, float] = (0.9, 0.95),
         adamw_eps: float = 1e-8,
         adamw_weight_decay: float = 0.0,
+        adamw_foreach: bool | None = None,
+        adamw_fused: bool | None = None,
         replicate_async: bool = False,
         predicate: Predicate | None = None,
     ) -> None:
@@ -154,21 +161,27 @@ class Muon(torch.optim.Optimizer):
         if not muon_params and not adamw_params:
             raise ValueError("model has no trainable parameters")
         super().__init__([muon_group, adamw_group], {"lr": lr})
-        self._adamw = self._make_adamw(adamw_params)
+        self._adamw = self._make_adamw(adamw_params, adamw_foreach, adamw_fused)
         if self.dedication is not None:
             verify_plan(self.dedication)
             if replicate_async:
                 # The engine's settings are the one place; this argument lands there.
                 self.dedication.settings.replicate_async = True
 
-    def _make_adamw(self, adamw_params: list[nn.Parameter]) -> torch.optim.AdamW | None:
+    def _make_adamw(
+        self, adamw_params: list[nn.Parameter], foreach: bool | None, fused: bool | None
+    ) -> torch.optim.AdamW | None:
         """An AdamW over ``param_groups[1]`` that shares its dict and our state."""
         if not adamw_params:
             return None
         group = self.param_groups[1]
         device_types = {p.device.type for p in adamw_params}
-        fused = None
-        if device_types <= {"cuda"} and all(p.dtype.is_floating_point for p in adamw_params):
+        if (
+            fused is None
+            and not foreach
+            and device_types <= {"cuda"}
+            and all(p.dtype.is_floating_point for p in adamw_params)
+        ):
             fused = True
         adamw = torch.optim.AdamW(
             [{"params": group["params"]}],
@@ -176,6 +189,7 @@ class Muon(torch.optim.Optimizer):
             betas=group["betas"],
             eps=group["eps"],
             weight_decay=group["weight_decay"],
+            foreach=foreach,
             fused=fused,
         )
         for key, value in adamw.param_groups[0].items():
