@@ -18,7 +18,8 @@ TRITON_CPU_VERSION="3.9.0"
 log() { echo "[setup] $*" >&2; }
 
 # Re-run only when the project's dependency list changed since the last setup.
-want_stamp="$(sha256sum "$ROOT/pyproject.toml" "$ROOT/scripts/setup.sh" | sha256sum | cut -d' ' -f1)"
+# Contents only (not paths), so that checkouts in other folders share one stamp.
+want_stamp="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup.sh" | sha256sum | cut -d' ' -f1)"
 ASSETS="$ROOT/assets"
 if [[ -x "$PY" && -f "$STAMP" && "$(cat "$STAMP")" == "$want_stamp" && -f "$ASSETS/tokenizer/tokenizer.json" ]]; then
   exit 0

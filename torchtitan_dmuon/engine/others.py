@@ -14,7 +14,7 @@ import logging
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import FSDPModule
 
 from torchtitan_dmuon.engine import comm
 from torchtitan_dmuon.engine.settings import DedicationSettings
@@ -23,6 +23,17 @@ from torchtitan_dmuon.engine.unit import BucketPool, flagged_grad_bucket
 __all__ = ["OtherParams"]
 
 logger = logging.getLogger(__name__)
+
+
+def _fsdp_covered_modules(model: nn.Module) -> set[nn.Module]:
+    """Modules whose own parameters some ``fully_shard`` manages: an FSDP module and its
+    descendants. Decided by structure, not by parameter type: inside a forward FSDP2
+    swaps its parameters for plain unsharded tensors."""
+    covered: set[nn.Module] = set()
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            covered.update(module.modules())
+    return covered
 
 
 class OtherParams:
@@ -34,22 +45,24 @@ class OtherParams:
     """
 
     def __init__(self, model: nn.Module, dedicated_names: set[str], world_size: int) -> None:
+        covered = _fsdp_covered_modules(model)
         named = [
             (name, p)
             for name, p in model.named_parameters()
-            if p.requires_grad and name not in dedicated_names and not isinstance(p, DTensor)
+            if p.requires_grad
+            and name not in dedicated_names
+            and model.get_submodule(name.rpartition(".")[0]) not in covered
         ]
         if world_size == 1:
             named = []
         self.params: list[nn.Parameter] = [p for _, p in named]
-        self._fsdp_anywhere = any(isinstance(p, DTensor) for p in model.parameters())
+        self._fsdp_anywhere = bool(covered)
         if named and self._fsdp_anywhere:
-            names = [name for name, _ in named]
             logger.info(
                 "dedicate_params: %d parameters outside every fully_shard are kept in sync "
                 "DDP-style by the engine: %s",
-                len(names),
-                names,
+                len(named),
+                [name for name, _ in named],
             )
 
     @torch.no_grad()

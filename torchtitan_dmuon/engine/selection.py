@@ -65,8 +65,8 @@ def select_matrices(model: nn.Module, predicate: Predicate) -> list[tuple[str, n
             )
         if p.ndim not in (2, 3):
             raise ValueError(
-                f"predicate selected {name!r} of shape {tuple(p.shape)}; Muon only takes 2-D "
-                "matrices and 3-D stacks of matrices (MoE experts)"
+                f"predicate selected {name!r} of shape {tuple(p.shape)}; only 2-D matrices "
+                "and 3-D stacks of matrices (MoE experts) can be given to Muon"
             )
         if not p.requires_grad:
             frozen.append(name)
