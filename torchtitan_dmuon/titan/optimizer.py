@@ -25,20 +25,9 @@ from torchtitan_dmuon.titan.parallelize import clean_fqn, dmuon_settings
 
 __all__ = ["DMuonOptimizersContainer", "build_dmuon_optimizers"]
 
-_DTYPES = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-}
-
 
 def _muon_kwargs(model: nn.Module, optimizer_config) -> dict:
-    settings = dmuon_settings(model)
-    if settings.ns_dtype not in _DTYPES:
-        raise ValueError(
-            f"[dmuon] ns_dtype must be one of {sorted(_DTYPES)}, got {settings.ns_dtype!r}"
-        )
+    settings = dmuon_settings(model)  # its choice fields were checked at parse time
     return dict(
         lr=settings.lr,
         momentum=settings.momentum,
@@ -46,7 +35,7 @@ def _muon_kwargs(model: nn.Module, optimizer_config) -> dict:
         weight_decay=settings.weight_decay,
         ns_steps=settings.ns_steps,
         ns_coefficients=settings.ns_coefficients,
-        ns_dtype=_DTYPES[settings.ns_dtype],
+        ns_dtype=getattr(torch, settings.ns_dtype),
         ns_backend=settings.ns_backend,
         adjust_lr_fn=settings.adjust_lr_fn,
         adamw_lr=optimizer_config.lr,
