@@ -6,16 +6,22 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import math
 import re
 
 import pytest
 import safetensors.torch
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.tensor import DTensor
 from torchtitan.config import ConfigManager
+from torchtitan.distributed import ParallelDims
 from torchtitan.protocols.train_spec import get_train_spec
 
+from tests.dist import run_distributed
 from tests.test_titan_integration import ROOT, SHORT, OverrideDefinitions, run_case
+from torchtitan_dmuon.titan import register
+from torchtitan_dmuon.titan.checkpoint import DMuonModelWrapper
 
 CONFIG_MODULE = ["--job.custom_config_module", "torchtitan_dmuon.titan.config"]
 
@@ -31,6 +37,7 @@ def parse(*args: str):
         ("ns_backend", "cuda"),
         ("ns_dtype", "int8"),
         ("adjust_lr_fn", "sqrt"),
+        ("nonfinite_grad_norm", "ignore"),
     ],
 )
 def test_bad_choice_rejected_at_parse_time(field, value, tmp_path, capsys):
@@ -109,3 +116,119 @@ def test_cpu_profiling_and_hf_export_of_dedicated_matrices(tmp_path):
     for key, value in dcp.items():
         assert value.abs().sum() > 0, key
         assert torch.equal(from_hf[key], value), key
+
+
+NAN_STEP = 2
+STEPS = 4
+POLICIES = ("skip", "stop", "continue")
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _snapshot(model, optimizers) -> dict[str, torch.Tensor]:
+    """This rank's copy of the model state (dedicated matrices on their owner) and of the
+    optimizer state (momentum, AdamW moments and steps), as local tensors."""
+    state = {f"model.{k}": v for k, v in DMuonModelWrapper([model]).state_dict().items()}
+    state.update({k: v for k, v in optimizers.state_dict().items() if k.startswith("state.")})
+    return {k: _local(v).detach().clone() for k, v in state.items()}
+
+
+def nonfinite_grad_norm_worker(rank: int, world: int) -> dict[str, dict]:
+    """:func:`train_with_a_nan` under each ``[dmuon] nonfinite_grad_norm`` policy."""
+    register()
+    return {policy: train_with_a_nan(rank, world, policy) for policy in POLICIES}
+
+
+def train_with_a_nan(rank: int, world: int, policy: str) -> dict:
+    """Train TorchTitan's debug llama3 through the DMuon train spec, with a NaN put into
+    rank 1's shard of one gradient at step ``NAN_STEP``."""
+    job_config = parse(
+        "--optimizer.name",
+        "DMuon",
+        "--dmuon.ns_dtype",
+        "float32",
+        "--dmuon.nonfinite_grad_norm",
+        policy,
+        "--training.seq_len",
+        "32",
+        "--training.mixed_precision_param",
+        "float32",
+        "--lr_scheduler.warmup_steps",
+        "1",
+    )
+    parallel_dims = ParallelDims(
+        dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=world
+    )
+    spec = get_train_spec("llama3")
+    model_args = spec.model_args["debugmodel"]
+    model_args.update_from_config(job_config)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = spec.model_cls(model_args)
+    model = spec.parallelize_fn(model, parallel_dims, job_config)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights()
+    optimizers = spec.build_optimizers_fn([model], job_config.optimizer, parallel_dims)
+    lr_schedulers = spec.build_lr_schedulers_fn(optimizers, job_config.lr_scheduler, STEPS)
+    # One batch per rank, every step: the loss falls from step to step.
+    tokens = torch.randint(
+        0, model_args.vocab_size, (2, 33), generator=torch.Generator().manual_seed(rank)
+    )
+    result = {"losses": {}, "lr_steps": []}
+    for step in range(1, STEPS + 1):
+        optimizers.zero_grad()
+        logits = model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        result["losses"][step] = loss.item()
+        if step == NAN_STEP:
+            if rank == 1:
+                _local(model.norm.weight.grad)[0] = float("nan")
+            before = _snapshot(model, optimizers)
+        try:
+            optimizers.clip_grad_norm_(job_config.training.max_norm, step)
+        except RuntimeError as error:
+            result["error"] = str(error)
+            return result
+        optimizers.step()
+        lr_schedulers.step()
+        result["lr_steps"].append(lr_schedulers.schedulers[0].last_epoch)
+        if step == NAN_STEP:
+            after = _snapshot(model, optimizers)
+            result["unchanged"] = sorted(k for k in before if torch.equal(before[k], after[k]))
+            result["keys"] = sorted(before)
+            result["grads_zeroed"] = all(
+                p.grad is None or not _local(p.grad).any() for p in model.parameters()
+            )
+    return result
+
+
+def test_nonfinite_grad_norm_skip_stop_continue():
+    """A NaN on one rank makes the global norm NaN on both. skip: that step leaves every
+    parameter and optimizer state bit-identical, and training goes on with finite losses;
+    stop: both ranks raise naming the step and the option; continue: the NaN reaches the
+    weights."""
+    by_rank = run_distributed(nonfinite_grad_norm_worker, 2)
+    for result in by_rank:
+        skip, stop, go_on = (result[policy] for policy in POLICIES)
+        assert skip["unchanged"] == skip["keys"]
+        assert any(k.startswith("model.layers.") for k in skip["keys"])
+        assert any(k.endswith(".momentum_buffer") for k in skip["keys"])
+        assert any(k.endswith(".exp_avg_sq") for k in skip["keys"])
+        assert skip["grads_zeroed"]
+        assert skip["lr_steps"] == [1, 2, 3, 4]  # the scheduler advanced through the skip
+        losses = skip["losses"]
+        assert all(math.isfinite(v) for v in losses.values())
+        assert losses[NAN_STEP + 1] == losses[NAN_STEP]  # the same weights and batch
+        assert losses[STEPS] < losses[NAN_STEP + 1] < losses[1]
+
+        assert stop["error"] == (
+            f"step {NAN_STEP}: the global gradient norm is nan; stopping, as "
+            "[dmuon] nonfinite_grad_norm = 'stop' asks ('skip' skips such steps)"
+        )
+        assert sorted(stop["losses"]) == [1, NAN_STEP]
+
+        assert not math.isfinite(go_on["losses"][NAN_STEP + 1])

@@ -74,6 +74,15 @@ class DMuon:
     adjust_lr_fn: Literal["original", "match_rms_adamw", "spectral"] = "original"
     """Per-shape learning-rate scaling: original, match_rms_adamw or spectral."""
 
+    nonfinite_grad_norm: Literal["skip", "stop", "continue"] = "skip"
+    """What a step whose global gradient norm is NaN or infinite does (the norm is the
+    one all ranks share, so all ranks act alike). "skip": no optimizer step (parameters,
+    momentum and AdamW state stay as they were, the gradients are zeroed, a warning names
+    the step); the LR scheduler still advances, as the schedule follows the step count,
+    and the optimizer's step hooks (MoE load balancing, float8 scales) still run. "stop":
+    raise an error naming the step. "continue": step anyway (one host sync per step less).
+    """
+
     def __post_init__(self) -> None:
         """Check the choice fields (TOML values reach here unchecked).
 
