@@ -19,7 +19,7 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.protocols.train_spec import get_train_spec
 
 from tests.dist import run_distributed
-from tests.test_titan_integration import ROOT, SHORT, OverrideDefinitions, run_case
+from tests.test_titan_integration import CHECKPOINT, ROOT, SHORT, OverrideDefinitions, run_case
 from torchtitan_dmuon.titan import register
 from torchtitan_dmuon.titan.checkpoint import DMuonModelWrapper
 
@@ -232,3 +232,45 @@ def test_nonfinite_grad_norm_skip_stop_continue():
         assert sorted(stop["losses"]) == [1, NAN_STEP]
 
         assert not math.isfinite(go_on["losses"][NAN_STEP + 1])
+
+
+def _resume_from(run: str, step: int) -> list[str]:
+    return [
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "3",
+        "--checkpoint.initial_load_path",
+        f"{{dump}}/{run}/checkpoint/step-{step}",
+        "--checkpoint.no-initial_load_model_only",
+        "--checkpoint.exclude_from_loading",
+        "optimizer",
+    ]
+
+
+def test_resume_across_adamw_and_dmuon(tmp_path):
+    """AdamW saves at step 3, DMuon resumes from it (without the optimizer state) and
+    saves at step 6, AdamW resumes from that: the LR schedule carries on across the
+    different numbers of param groups (AdamW one, DMuon two), from the trained weights."""
+    adamw = ["--optimizer.name", "AdamW"]
+    steps = "--training.steps"
+    saved, dmuon, back = run_case(
+        OverrideDefinitions(
+            [
+                [*SHORT, steps, "3", *adamw, *CHECKPOINT],
+                [*SHORT, *_resume_from("run0", 3)],
+                [*SHORT, steps, "9", *adamw, *_resume_from("run1", 6)],
+            ],
+            "AdamW -> DMuon -> AdamW through checkpoints without optimizer state",
+            "resume_across_optimizers",
+        ),
+        tmp_path,
+    )
+    assert sorted(dmuon.losses) == [4, 5, 6] and sorted(back.losses) == [7, 8, 9]
+    assert dmuon.losses[4] < saved.losses[1] - 0.1
+    assert back.losses[7] < dmuon.losses[4]
+    for run, saved_groups, groups, step in ((dmuon, 1, 2, 3), (back, 2, 1, 6)):
+        assert (
+            f"lr_scheduler: the checkpoint's schedule is for {saved_groups} param group(s), "
+            f"this optimizer has {groups}: continuing it at step {step} with this run's "
+            "base learning rates"
+        ) in run.output

@@ -12,6 +12,8 @@
   and its ``[dmuon] nonfinite_grad_norm`` policy,
   topology-independent checkpoints of the dedicated matrices, and DMuon's figures (NS
   time, bytes reduced and broadcast, owner balance) in the metrics line and TensorBoard;
+* LR-scheduler state that loads across AdamW and DMuon checkpoints (their optimizers
+  have different numbers of param groups);
 * the ranks leave training together (a barrier after a completed run).
 """
 
@@ -23,12 +25,12 @@ import logging
 import torch
 import torch.distributed as dist
 import torchtitan.distributed.utils as dist_utils
-from torchtitan.components.checkpoint import MODEL
+from torchtitan.components.checkpoint import LR_SCHEDULER, MODEL
 from torchtitan.train import Trainer, main
 
 from torchtitan_dmuon.engine import get_dedication
 from torchtitan_dmuon.titan import register
-from torchtitan_dmuon.titan.checkpoint import DMuonModelWrapper
+from torchtitan_dmuon.titan.checkpoint import DMuonModelWrapper, LRSchedulersWrapper
 from torchtitan_dmuon.titan.parallelize import DMUON
 
 logger = logging.getLogger(__name__)
@@ -42,6 +44,8 @@ class DMuonTrainer(Trainer):
     def __init__(self, job_config) -> None:
         super().__init__(job_config)
         self.dedications = []
+        # Either optimizer resumes from the other's checkpoint (different param groups).
+        self.checkpointer.states[LR_SCHEDULER] = LRSchedulersWrapper(self.lr_schedulers)
         if job_config.optimizer.name != DMUON:
             return
         self.dedications = [get_dedication(m) for m in self.model_parts]
