@@ -274,3 +274,36 @@ def test_resume_across_adamw_and_dmuon(tmp_path):
             f"this optimizer has {groups}: continuing it at step {step} with this run's "
             "base learning rates"
         ) in run.output
+
+
+FLOAT8 = ["--model.converters", "quantize.linear.float8", "--quantize.linear.float8.emulate"]
+FLOAT8_FSDP = [
+    "--quantize.linear.float8.enable_fsdp_float8_all_gather",
+    "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp",
+]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="engine/fsdp_patch.py marks dedicated parameters with a weakref, and "
+    "model.to_empty() must swap a float8 subclass parameter, which torch refuses for a "
+    "tensor with a weakref; passes with a weakref-free mark",
+)
+def test_float8_fsdp_all_gather(tmp_path):
+    """float8 linears (emulated on CPU) with FSDP's float8 all-gather and precomputed
+    scales: the dedicated matrices train beside them, close to the run without float8."""
+    plain, float8 = run_case(
+        OverrideDefinitions(
+            [SHORT, [*SHORT, *FLOAT8, *FLOAT8_FSDP]],
+            "float8 with FSDP float8 all-gather and precomputed scales, with DMuon",
+            "float8_fsdp_all_gather",
+        ),
+        tmp_path,
+    )
+    assert "Swapped to Float8Linear layers with enable_fsdp_float8_all_gather=True" in (
+        float8.output
+    )
+    steps = range(1, 7)
+    assert [float8.losses[s] for s in steps] == pytest.approx(
+        [plain.losses[s] for s in steps], rel=2e-2
+    )
