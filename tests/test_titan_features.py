@@ -141,22 +141,26 @@ def nonfinite_grad_norm_worker(rank: int, world: int) -> dict[str, dict]:
     return {policy: train_with_a_nan(rank, world, policy) for policy in POLICIES}
 
 
-def train_with_a_nan(rank: int, world: int, policy: str) -> dict:
-    """Train TorchTitan's debug llama3 through the DMuon train spec, with a NaN put into
-    rank 1's shard of one gradient at step ``NAN_STEP``."""
+def build_debug_llama3(rank: int, world: int, *flags: str):
+    """TorchTitan's debug llama3 with DMuon on ``world`` gloo ranks, built as TorchTitan's
+    trainer builds it (meta init, the DMuon train spec's parallelize and optimizer
+    builders, LR schedulers over ``STEPS`` steps), and one fixed batch of this rank.
+
+    Returns:
+        ``(model, optimizers, lr_schedulers, tokens, job_config)``.
+    """
     job_config = parse(
         "--optimizer.name",
         "DMuon",
         "--dmuon.ns_dtype",
         "float32",
-        "--dmuon.nonfinite_grad_norm",
-        policy,
         "--training.seq_len",
         "32",
         "--training.mixed_precision_param",
         "float32",
         "--lr_scheduler.warmup_steps",
         "1",
+        *flags,
     )
     parallel_dims = ParallelDims(
         dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=world
@@ -173,17 +177,30 @@ def train_with_a_nan(rank: int, world: int, policy: str) -> dict:
         model.init_weights()
     optimizers = spec.build_optimizers_fn([model], job_config.optimizer, parallel_dims)
     lr_schedulers = spec.build_lr_schedulers_fn(optimizers, job_config.lr_scheduler, STEPS)
-    # One batch per rank, every step: the loss falls from step to step.
     tokens = torch.randint(
         0, model_args.vocab_size, (2, 33), generator=torch.Generator().manual_seed(rank)
+    )
+    return model, optimizers, lr_schedulers, tokens, job_config
+
+
+def forward_backward(model, tokens: torch.Tensor) -> float:
+    """One forward and backward on next-token prediction; the loss."""
+    logits = model(tokens[:, :-1])
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+    loss.backward()
+    return loss.item()
+
+
+def train_with_a_nan(rank: int, world: int, policy: str) -> dict:
+    """Train on one fixed batch (the loss falls from step to step), with a NaN put into
+    rank 1's shard of one gradient at step ``NAN_STEP``."""
+    model, optimizers, lr_schedulers, tokens, job_config = build_debug_llama3(
+        rank, world, "--dmuon.nonfinite_grad_norm", policy
     )
     result = {"losses": {}, "lr_steps": []}
     for step in range(1, STEPS + 1):
         optimizers.zero_grad()
-        logits = model(tokens[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-        loss.backward()
-        result["losses"][step] = loss.item()
+        result["losses"][step] = forward_backward(model, tokens)
         if step == NAN_STEP:
             if rank == 1:
                 _local(model.norm.weight.grad)[0] = float("nan")
