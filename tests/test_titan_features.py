@@ -253,6 +253,47 @@ def test_nonfinite_grad_norm_skip_stop_continue():
         assert not math.isfinite(go_on["losses"][NAN_STEP + 1])
 
 
+IMPLEMENTATIONS = ("for-loop", "foreach", "fused")
+
+
+def implementation_worker(rank: int, world: int) -> dict[str, dict]:
+    """One step under each ``[optimizer] implementation``: the AdamW group's flags and
+    this rank's AdamW state and weights after it."""
+    register()
+    result = {}
+    for implementation in IMPLEMENTATIONS:
+        model, optimizers, _, tokens, job_config = build_debug_llama3(
+            rank, world, "--optimizer.implementation", implementation
+        )
+        forward_backward(model, tokens)
+        optimizers.clip_grad_norm_(job_config.training.max_norm, 1)
+        optimizers.step()
+        (muon,) = optimizers.optimizers
+        adamw_group = muon.param_groups[1]
+        result[implementation] = {
+            "flags": (adamw_group["foreach"], adamw_group["fused"]),
+            "state": _snapshot(model, optimizers),
+        }
+    return result
+
+
+def test_optimizer_implementation_reaches_adamw():
+    """[optimizer] implementation picks DMuon's AdamW kernels as it picks TorchTitan's
+    AdamW ones (fused is TorchTitan's default; torch 2.13 has a fused CPU AdamW): the
+    three agree on the step."""
+    for result in run_distributed(implementation_worker, 2):
+        assert result["for-loop"]["flags"] == (False, False)
+        assert result["foreach"]["flags"] == (True, False)
+        assert result["fused"]["flags"] == (False, True)
+        reference = result["for-loop"]["state"]
+        assert any(k.endswith(".exp_avg") for k in reference)
+        for implementation in ("foreach", "fused"):
+            state = result[implementation]["state"]
+            assert sorted(state) == sorted(reference)
+            for key, value in reference.items():
+                torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-7, msg=key)
+
+
 def _resume_from(run: str, step: int) -> list[str]:
     return [
         "--checkpoint.enable",

@@ -45,6 +45,9 @@ def _muon_kwargs(model: nn.Module, optimizer_config) -> dict:
         adamw_betas=(optimizer_config.beta1, optimizer_config.beta2),
         adamw_eps=optimizer_config.eps,
         adamw_weight_decay=optimizer_config.weight_decay,
+        # [optimizer] implementation, mapped as TorchTitan maps it for its own AdamW.
+        adamw_foreach=optimizer_config.implementation == "foreach",
+        adamw_fused=optimizer_config.implementation == "fused",
         replicate_async=settings.replicate_async,
     )
 
