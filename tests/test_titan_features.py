@@ -343,12 +343,6 @@ FLOAT8_FSDP = [
 ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine/fsdp_patch.py marks dedicated parameters with a weakref, and "
-    "model.to_empty() must swap a float8 subclass parameter, which torch refuses for a "
-    "tensor with a weakref; passes with a weakref-free mark",
-)
 def test_float8_fsdp_all_gather(tmp_path):
     """float8 linears (emulated on CPU) with FSDP's float8 all-gather and precomputed
     scales: the dedicated matrices train beside them, close to the run without float8."""
