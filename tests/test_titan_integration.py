@@ -201,7 +201,6 @@ BAD_INPUT = [
     (["--dmuon.params", "layers.*.nonexistent.weight"], 2, "matches no parameter"),
     (["--dmuon.params", "layers.*.attention_norm.weight"], 2, "only 2-D matrices"),
     (["--parallelism.tensor_parallel_degree", "2"], 2, "does not support tensor parallel"),
-    (["--dmuon.ns_dtype", "int8"], 2, "[dmuon] ns_dtype must be one of"),
 ]
 
 

@@ -1,4 +1,7 @@
-"""Model state for TorchTitan's CheckpointManager with dedicated matrices saved once.
+"""Model and LR-scheduler state for TorchTitan's CheckpointManager.
+
+:class:`DMuonModelWrapper` saves the dedicated matrices once; :class:`LRSchedulersWrapper`
+lets a run resume from a checkpoint of the other optimizer (AdamW <-> DMuon).
 
 TorchTitan's ``ModelWrapper`` caches ``get_model_state_dict`` once, at construction. With
 DMuon that would hold stale tensors (the engine re-binds parameters into flat buffers at
@@ -12,18 +15,25 @@ owner reads the whole tensor and the engine distributes it.
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     set_model_state_dict,
 )
+from torch.distributed.checkpoint.stateful import Stateful
 from torchtitan.components.checkpoint import ModelWrapper
+from torchtitan.components.lr_scheduler import LRSchedulersContainer
 
 from torchtitan_dmuon.engine import get_dedication
 from torchtitan_dmuon.titan.parallelize import clean_fqn
 
-__all__ = ["DMuonModelWrapper"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["DMuonModelWrapper", "LRSchedulersWrapper"]
 
 
 def _dedicated(model: nn.Module):
@@ -60,3 +70,48 @@ class DMuonModelWrapper(ModelWrapper):
             get_dedication(model).refresh_from_masters()
             rest = {k: v for k, v in state_dict.items() if k not in every}
             set_model_state_dict(model, rest, options=StateDictOptions(strict=False))
+
+
+class LRSchedulersWrapper(Stateful):
+    """TorchTitan's LR schedulers, loadable from a checkpoint of another optimizer.
+
+    A ``LambdaLR`` state holds one base LR, last LR and lambda state per param group:
+    DMuon has two groups (Muon, AdamW), TorchTitan's AdamW one. Resuming one optimizer
+    from the other's checkpoint (``--checkpoint.exclude_from_loading optimizer``) would
+    restore a state of the wrong length, which fails at the end of the first step. When
+    the lengths differ, this run keeps its own base LRs and lambdas, takes the schedule's
+    position (``last_epoch``, ``_step_count``) from the checkpoint and sets each group's
+    LR to the schedule's value there, as loading the optimizer's state would have. Same
+    length: TorchTitan's load, unchanged.
+    """
+
+    def __init__(self, lr_schedulers: LRSchedulersContainer) -> None:
+        self.lr_schedulers = lr_schedulers
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.lr_schedulers.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        scheduler = self.lr_schedulers.schedulers[0]
+        saved_groups, groups = len(state_dict["base_lrs"]), len(scheduler.base_lrs)
+        if saved_groups == groups:
+            self.lr_schedulers.load_state_dict(state_dict)
+            return
+        step = state_dict["last_epoch"]
+        logger.info(
+            "lr_scheduler: the checkpoint's schedule is for %d param group(s), this optimizer "
+            "has %d: continuing it at step %d with this run's base learning rates",
+            saved_groups,
+            groups,
+            step,
+        )
+        own = scheduler.state_dict()
+        own["last_epoch"], own["_step_count"] = step, state_dict["_step_count"]
+        own["_last_lr"] = [
+            base * lr_lambda(step)
+            for base, lr_lambda in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)
+        ]
+        self.lr_schedulers.load_state_dict(own)
+        for each in self.lr_schedulers:
+            for group, lr in zip(each.optimizer.param_groups, each.get_last_lr(), strict=True):
+                group["lr"] = lr

@@ -6,9 +6,14 @@ point ``torchtitan_dmuon.titan.train`` sets it), so every field below is a TOML 
 ``--help`` text. DMuon is switched on by ``[optimizer] name = "DMuon"``; AdamW, which takes
 every parameter DMuon does not, keeps TorchTitan's own ``[optimizer]`` lr, beta1, beta2,
 eps and weight_decay.
+
+Choice fields are ``Literal``: TorchTitan's parser (tyro) rejects a bad value given as a
+flag, and :meth:`DMuon.__post_init__` one given in a TOML file (which tyro takes as a
+default and does not check).
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Literal, get_args, get_origin, get_type_hints
 
 DEFAULT_PARAM_PATTERNS = (
     "layers.*.attention.w[qkvo].weight",
@@ -57,17 +62,40 @@ class DMuon:
     ns_steps: int = 5
     """Newton-Schulz iterations."""
 
-    ns_coefficients: str = "quintic"
+    ns_coefficients: Literal["quintic", "polar_express"] = "quintic"
     """Newton-Schulz coefficient preset: quintic or polar_express."""
 
-    ns_backend: str = "torch"
+    ns_backend: Literal["torch", "triton", "gram", "auto"] = "torch"
     """Newton-Schulz implementation: torch, triton, gram or auto."""
 
-    ns_dtype: str = "bfloat16"
+    ns_dtype: Literal["bfloat16", "float16", "float32", "float64"] = "bfloat16"
     """Newton-Schulz compute dtype: bfloat16, float16, float32 or float64."""
 
-    adjust_lr_fn: str = "original"
+    adjust_lr_fn: Literal["original", "match_rms_adamw", "spectral"] = "original"
     """Per-shape learning-rate scaling: original, match_rms_adamw or spectral."""
+
+    nonfinite_grad_norm: Literal["skip", "stop", "continue"] = "skip"
+    """What a step whose global gradient norm is NaN or infinite does (the norm is the
+    one all ranks share, so all ranks act alike). "skip": no optimizer step (parameters,
+    momentum and AdamW state stay as they were, the gradients are zeroed, a warning names
+    the step); the LR scheduler still advances, as the schedule follows the step count,
+    and the optimizer's step hooks (MoE load balancing, float8 scales) still run. "stop":
+    raise an error naming the step. "continue": step anyway (one host sync per step less).
+    """
+
+    def __post_init__(self) -> None:
+        """Check the choice fields (TOML values reach here unchecked).
+
+        Raises:
+            ValueError: A ``Literal`` field holds a value outside its choices.
+        """
+        hints = get_type_hints(type(self))
+        for f in fields(self):
+            if get_origin(hints[f.name]) is not Literal:
+                continue
+            choices, value = get_args(hints[f.name]), getattr(self, f.name)
+            if value not in choices:
+                raise ValueError(f"[dmuon] {f.name} must be one of {choices}, got {value!r}")
 
 
 @dataclass

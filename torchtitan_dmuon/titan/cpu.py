@@ -9,6 +9,8 @@ TorchTitan targets accelerators. On a machine without one (CI, laptops) this lay
 * makes FSDP2 reduce with plain SUM: TorchTitan disables FSDP's gradient division (the
   loss is already normalized over the global batch), which FSDP2 implements with
   ``PREMUL_SUM``, an op gloo does not have;
+* profiles the CPU alone: TorchTitan's profiler asks for its GPU activity, ``None``
+  without a GPU, which ``torch.profiler.profile`` refuses;
 * lets MoE routers count tokens (``torch.histc`` has no integer CPU kernel) and keeps
   qwen3's MoE off the Triton-only grouped-GEMM padding path.
 
@@ -75,6 +77,16 @@ def _histc_any_dtype(histc):
     return wrapper
 
 
+class _ProfileWithoutMissingActivities(torch.profiler.profile):
+    """``torch.profiler.profile`` that drops ``None`` activities (TorchTitan's
+    ``maybe_enable_profiling`` passes ``[CPU, None]`` where there is no GPU)."""
+
+    def __init__(self, *args, activities=None, **kwargs) -> None:
+        if activities is not None:
+            activities = [a for a in activities if a is not None]
+        super().__init__(*args, activities=activities, **kwargs)
+
+
 def cpu_support_enabled() -> bool:
     return _enabled
 
@@ -102,6 +114,7 @@ def enable_cpu_support() -> bool:
     for module in (llama3_parallelize, llama4_parallelize):
         module.disable_fsdp_gradient_division = _disable_fsdp_gradient_division_with_sum
     torch.histc = _histc_any_dtype(torch.histc)
+    torch.profiler.profile = _ProfileWithoutMissingActivities
     for args in qwen3_args.values():
         args.moe_args.use_grouped_mm = False
     _enabled = True

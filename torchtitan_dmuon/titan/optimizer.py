@@ -12,6 +12,7 @@ reads it whole.
 
 from __future__ import annotations
 
+import logging
 import numbers
 import time
 
@@ -19,26 +20,17 @@ import torch
 from torch import nn
 from torchtitan.components.optimizer import OptimizersContainer
 
-from torchtitan_dmuon.engine import get_dedication
+from torchtitan_dmuon.engine import clip_grad_norm_, get_dedication
 from torchtitan_dmuon.optimizer import Muon
 from torchtitan_dmuon.titan.parallelize import clean_fqn, dmuon_settings
 
-__all__ = ["DMuonOptimizersContainer", "build_dmuon_optimizers"]
+logger = logging.getLogger(__name__)
 
-_DTYPES = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-}
+__all__ = ["DMuonOptimizersContainer", "build_dmuon_optimizers"]
 
 
 def _muon_kwargs(model: nn.Module, optimizer_config) -> dict:
-    settings = dmuon_settings(model)
-    if settings.ns_dtype not in _DTYPES:
-        raise ValueError(
-            f"[dmuon] ns_dtype must be one of {sorted(_DTYPES)}, got {settings.ns_dtype!r}"
-        )
+    settings = dmuon_settings(model)  # its choice fields were checked at parse time
     return dict(
         lr=settings.lr,
         momentum=settings.momentum,
@@ -46,13 +38,16 @@ def _muon_kwargs(model: nn.Module, optimizer_config) -> dict:
         weight_decay=settings.weight_decay,
         ns_steps=settings.ns_steps,
         ns_coefficients=settings.ns_coefficients,
-        ns_dtype=_DTYPES[settings.ns_dtype],
+        ns_dtype=getattr(torch, settings.ns_dtype),
         ns_backend=settings.ns_backend,
         adjust_lr_fn=settings.adjust_lr_fn,
         adamw_lr=optimizer_config.lr,
         adamw_betas=(optimizer_config.beta1, optimizer_config.beta2),
         adamw_eps=optimizer_config.eps,
         adamw_weight_decay=optimizer_config.weight_decay,
+        # [optimizer] implementation, mapped as TorchTitan maps it for its own AdamW.
+        adamw_foreach=optimizer_config.implementation == "foreach",
+        adamw_fused=optimizer_config.implementation == "fused",
         replicate_async=settings.replicate_async,
     )
 
@@ -74,25 +69,83 @@ class DMuonOptimizersContainer(OptimizersContainer):
     """TorchTitan's optimizer container over one :class:`~torchtitan_dmuon.Muon` per part.
 
     Attributes:
-        step_seconds: Wall time spent in ``step()`` (Newton-Schulz on the owned matrices,
-            the Muon and AdamW updates, HSDP broadcast launch), summed since construction.
+        step_seconds: See the property.
     """
 
     def __init__(self, model_parts: list[nn.Module], optimizer_config) -> None:
         self.model_parts = model_parts
         self.optimizers = [Muon(m, **_muon_kwargs(m, optimizer_config)) for m in model_parts]
-        self.step_seconds = 0.0
+        self._step_seconds = 0.0
+        self._pending_timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._skip_next_step = False
         self._validate_length(len(model_parts))
         all_params = [p for opt in self.optimizers for g in opt.param_groups for p in g["params"]]
         self._post_init(all_params, {"lr": optimizer_config.lr})
 
+    def clip_grad_norm_(self, max_norm: float, step: int) -> torch.Tensor:
+        """Clip the gradients to a global 2-norm of ``max_norm``; on a non-finite norm, do
+        what ``[dmuon] nonfinite_grad_norm`` says. A collective: call it on every rank.
+
+        Args:
+            max_norm: The largest global gradient norm (``[training] max_norm``).
+            step: The training step, for the messages.
+
+        Returns:
+            The global gradient norm before clipping, equal on every rank.
+
+        Raises:
+            RuntimeError: The norm is not finite and the option is ``"stop"``.
+        """
+        # DMuon refuses pipeline parallelism, so there is exactly one model part.
+        (model,) = self.model_parts
+        norm = clip_grad_norm_(model, max_norm)
+        policy = dmuon_settings(model).nonfinite_grad_norm
+        if policy == "continue" or torch.isfinite(norm).item():
+            return norm
+        if policy == "stop":
+            raise RuntimeError(
+                f"step {step}: the global gradient norm is {norm.item()}; stopping, as "
+                "[dmuon] nonfinite_grad_norm = 'stop' asks ('skip' skips such steps)"
+            )
+        logger.warning(
+            "step %d: the global gradient norm is %s; skipping the optimizer step "
+            "([dmuon] nonfinite_grad_norm = 'skip')",
+            step,
+            norm.item(),
+        )
+        self._skip_next_step = True
+        return norm
+
     def step(self, *args, **kwargs) -> None:
-        start = time.perf_counter()
+        if self._skip_next_step:
+            # clip_grad_norm_ found a non-finite norm: leave the parameters and the state.
+            self._skip_next_step = False
+            self.zero_grad()
+            return
+        if torch.cuda.is_available():
+            # Timed by events, read when the figure is logged: no device sync per step.
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            for optimizer in self.optimizers:
+                optimizer.step(*args, **kwargs)
+            end.record()
+            self._pending_timings.append((start, end))
+            return
+        start_time = time.perf_counter()
         for optimizer in self.optimizers:
             optimizer.step(*args, **kwargs)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        self.step_seconds += time.perf_counter() - start
+        self._step_seconds += time.perf_counter() - start_time
+
+    @property
+    def step_seconds(self) -> float:
+        """Time spent in ``step()`` (Newton-Schulz on the owned matrices, the Muon and
+        AdamW updates, HSDP broadcast launch), summed since construction; on CUDA the
+        device time between events, waited for here."""
+        for start, end in self._pending_timings:
+            end.synchronize()
+            self._step_seconds += start.elapsed_time(end) / 1e3
+        self._pending_timings.clear()
+        return self._step_seconds
 
     # ---- topology-independent state ------------------------------------------------------
     def _entries(self):

@@ -8,9 +8,12 @@
 * train specs for llama3, qwen3 and llama4 whose parallelize and optimizer functions use
   DMuon when ``[optimizer] name = "DMuon"`` (and are TorchTitan's own otherwise);
 * the CPU layer (``titan/cpu.py``) where there is no GPU;
-* with DMuon on: DMuon's gradient clipping (correct over dedicated and FSDP parameters),
+* with DMuon on: DMuon's gradient clipping (correct over dedicated and FSDP parameters)
+  and its ``[dmuon] nonfinite_grad_norm`` policy,
   topology-independent checkpoints of the dedicated matrices, and DMuon's figures (NS
   time, bytes reduced and broadcast, owner balance) in the metrics line and TensorBoard;
+* LR-scheduler state that loads across AdamW and DMuon checkpoints (their optimizers
+  have different numbers of param groups);
 * the ranks leave training together (a barrier after a completed run).
 """
 
@@ -22,12 +25,12 @@ import logging
 import torch
 import torch.distributed as dist
 import torchtitan.distributed.utils as dist_utils
-from torchtitan.components.checkpoint import MODEL
+from torchtitan.components.checkpoint import LR_SCHEDULER, MODEL
 from torchtitan.train import Trainer, main
 
-from torchtitan_dmuon.engine import clip_grad_norm_, get_dedication
+from torchtitan_dmuon.engine import get_dedication
 from torchtitan_dmuon.titan import register
-from torchtitan_dmuon.titan.checkpoint import DMuonModelWrapper
+from torchtitan_dmuon.titan.checkpoint import DMuonModelWrapper, LRSchedulersWrapper
 from torchtitan_dmuon.titan.parallelize import DMUON
 
 logger = logging.getLogger(__name__)
@@ -41,6 +44,8 @@ class DMuonTrainer(Trainer):
     def __init__(self, job_config) -> None:
         super().__init__(job_config)
         self.dedications = []
+        # Either optimizer resumes from the other's checkpoint (different param groups).
+        self.checkpointer.states[LR_SCHEDULER] = LRSchedulersWrapper(self.lr_schedulers)
         if job_config.optimizer.name != DMUON:
             return
         self.dedications = [get_dedication(m) for m in self.model_parts]
@@ -91,10 +96,9 @@ class DMuonTrainer(Trainer):
                 dist.distributed_c10d._set_pg_timeout(timeout, group)
         logger.info("dmuon: the engine's process groups now time out after %s", timeout)
 
-    def _clip_grad_norm(self, parameters, max_norm, norm_type=2.0, **unused) -> torch.Tensor:
-        # DMuon refuses pipeline parallelism, so there is exactly one model part.
-        (model,) = self.model_parts
-        return clip_grad_norm_(model, max_norm, norm_type)
+    def _clip_grad_norm(self, parameters, max_norm, **unused) -> torch.Tensor:
+        # TorchTitan's train step passes foreach, pp_mesh and ep_enabled: the 2-norm.
+        return self.optimizers.clip_grad_norm_(max_norm, self.step)
 
     def _dmuon_metrics(self, step: int) -> dict[str, float]:
         """Per-step averages since the last logged step, this rank's view."""

@@ -1,0 +1,363 @@
+"""TorchTitan features beside plain training: config parsing, profiling, HF export,
+optimizer implementation, non-finite gradient norms, resuming across optimizers, float8
+all-gather. Runs go through ``tests/test_titan_integration.py``'s helpers."""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import math
+import re
+
+import pytest
+import safetensors.torch
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.tensor import DTensor
+from torchtitan.config import ConfigManager
+from torchtitan.distributed import ParallelDims
+from torchtitan.protocols.train_spec import get_train_spec
+
+from tests.dist import run_distributed
+from tests.test_titan_integration import CHECKPOINT, ROOT, SHORT, OverrideDefinitions, run_case
+from torchtitan_dmuon.titan import register
+from torchtitan_dmuon.titan.checkpoint import DMuonModelWrapper
+from torchtitan_dmuon.titan.config import DEFAULT_PARAM_PATTERNS
+
+CONFIG_MODULE = ["--job.custom_config_module", "torchtitan_dmuon.titan.config"]
+
+
+def parse(*args: str):
+    """TorchTitan's JobConfig with the [dmuon] section, from command-line arguments."""
+    return ConfigManager().parse_args([*CONFIG_MODULE, *args])
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("ns_coefficients", "cubic"),
+        ("ns_backend", "cuda"),
+        ("ns_dtype", "int8"),
+        ("adjust_lr_fn", "sqrt"),
+        ("nonfinite_grad_norm", "ignore"),
+    ],
+)
+def test_bad_choice_rejected_at_parse_time(field, value, tmp_path, capsys):
+    """A [dmuon] choice outside its Literal fails while parsing, from the command line
+    (tyro's message names the flag) and from a TOML file (ours names the key)."""
+    with pytest.raises(SystemExit) as exit_info:
+        parse(f"--dmuon.{field}", value)
+    assert exit_info.value.code != 0
+    stderr = capsys.readouterr().err
+    assert f"invalid choice '{value}'" in stderr
+    assert f"--dmuon.{field.replace('_', '-')}" in stderr
+
+    config = (ROOT / "train_configs/debug_cpu.toml").read_text()
+    config = re.sub(rf"^{field} = .*\n", "", config, flags=re.M)
+    bad = tmp_path / "bad.toml"
+    bad.write_text(config.replace("[dmuon]\n", f'[dmuon]\n{field} = "{value}"\n'))
+    with pytest.raises(ValueError, match=rf"\[dmuon\] {field} must be one of .*got '{value}'"):
+        parse("--job.config_file", str(bad))
+
+
+PROFILE = [
+    "--profiling.enable_profiling",
+    "--profiling.profile_freq",
+    "2",
+    "--profiling.profiler_warmup",
+    "0",
+    "--profiling.profiler_active",
+    "1",
+]
+MODEL_ONLY_AT_STEP_3 = [
+    *SHORT[2:],
+    "--training.steps",
+    "3",
+    "--checkpoint.enable",
+    "--checkpoint.last_save_model_only",
+]
+
+
+def test_cpu_profiling_and_hf_export_of_dedicated_matrices(tmp_path):
+    """One run profiles steps 1-2 on CPU and exports HF safetensors at step 3; a second,
+    identical run saves a DCP checkpoint at step 3. The export holds every weight (the
+    dedicated ones, which only their owner saves, included) exactly as DCP has it."""
+    exported, saved = run_case(
+        OverrideDefinitions(
+            [
+                [*MODEL_ONLY_AT_STEP_3, *PROFILE, "--checkpoint.last_save_in_hf"],
+                MODEL_ONLY_AT_STEP_3,
+            ],
+            "CPU profiler traces and an HF export beside a DCP checkpoint",
+            "profile_hf_export",
+        ),
+        tmp_path,
+    )
+    assert exported.losses == saved.losses
+
+    for rank in (0, 1):
+        trace = tmp_path / f"run0/profile_traces/iteration_2/rank{rank}_trace.json"
+        events = json.loads(trace.read_text())["traceEvents"]
+        assert any(e.get("name", "").startswith("ProfilerStep#") for e in events), trace
+        assert any(e.get("name") == "Optimizer.step#Muon.step" for e in events), trace
+
+    hf_dir = tmp_path / "run0/checkpoint/step-3"
+    hf = {}
+    for path in sorted(hf_dir.glob("*.safetensors")):
+        hf.update(safetensors.torch.load_file(path))
+    spec = get_train_spec("llama3")
+    adapter = spec.state_dict_adapter(spec.model_args["debugmodel"], None)
+    from_hf = adapter.from_hf(hf)
+
+    dcp_file = tmp_path / "dcp.pt"
+    dcp_to_torch_save(tmp_path / "run1/checkpoint/step-3", dcp_file)
+    dcp = torch.load(dcp_file, weights_only=True)
+    assert sorted(from_hf) == sorted(dcp)
+    dedicated = [k for k in dcp if any(fnmatch.fnmatch(k, p) for p in DEFAULT_PARAM_PATTERNS)]
+    assert len(dedicated) == 42  # 6 layers x (4 attention + 3 feed-forward matrices)
+    for key, value in dcp.items():
+        assert value.abs().sum() > 0, key
+        assert torch.equal(from_hf[key], value), key
+
+
+NAN_STEP = 2
+STEPS = 4
+POLICIES = ("skip", "stop", "continue")
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _snapshot(model, optimizers) -> dict[str, torch.Tensor]:
+    """This rank's copy of the model state (dedicated matrices on their owner) and of the
+    optimizer state (momentum, AdamW moments and steps), as local tensors."""
+    state = {f"model.{k}": v for k, v in DMuonModelWrapper([model]).state_dict().items()}
+    state.update({k: v for k, v in optimizers.state_dict().items() if k.startswith("state.")})
+    return {k: _local(v).detach().clone() for k, v in state.items()}
+
+
+def nonfinite_grad_norm_worker(rank: int, world: int) -> dict[str, dict]:
+    """:func:`train_with_a_nan` under each ``[dmuon] nonfinite_grad_norm`` policy."""
+    register()
+    return {policy: train_with_a_nan(rank, world, policy) for policy in POLICIES}
+
+
+def build_debug_llama3(rank: int, world: int, *flags: str):
+    """TorchTitan's debug llama3 with DMuon on ``world`` gloo ranks, built as TorchTitan's
+    trainer builds it (meta init, the DMuon train spec's parallelize and optimizer
+    builders, LR schedulers over ``STEPS`` steps), and one fixed batch of this rank.
+
+    Returns:
+        ``(model, optimizers, lr_schedulers, tokens, job_config)``.
+    """
+    job_config = parse(
+        "--optimizer.name",
+        "DMuon",
+        "--dmuon.ns_dtype",
+        "float32",
+        "--training.seq_len",
+        "32",
+        "--training.mixed_precision_param",
+        "float32",
+        "--lr_scheduler.warmup_steps",
+        "1",
+        *flags,
+    )
+    parallel_dims = ParallelDims(
+        dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=world
+    )
+    spec = get_train_spec("llama3")
+    model_args = spec.model_args["debugmodel"]
+    model_args.update_from_config(job_config)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = spec.model_cls(model_args)
+    model = spec.parallelize_fn(model, parallel_dims, job_config)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights()
+    optimizers = spec.build_optimizers_fn([model], job_config.optimizer, parallel_dims)
+    lr_schedulers = spec.build_lr_schedulers_fn(optimizers, job_config.lr_scheduler, STEPS)
+    tokens = torch.randint(
+        0, model_args.vocab_size, (2, 33), generator=torch.Generator().manual_seed(rank)
+    )
+    return model, optimizers, lr_schedulers, tokens, job_config
+
+
+def forward_backward(model, tokens: torch.Tensor) -> float:
+    """One forward and backward on next-token prediction; the loss."""
+    logits = model(tokens[:, :-1])
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+    loss.backward()
+    return loss.item()
+
+
+def train_with_a_nan(rank: int, world: int, policy: str) -> dict:
+    """Train on one fixed batch (the loss falls from step to step), with a NaN put into
+    rank 1's shard of one gradient at step ``NAN_STEP``."""
+    model, optimizers, lr_schedulers, tokens, job_config = build_debug_llama3(
+        rank, world, "--dmuon.nonfinite_grad_norm", policy
+    )
+    result = {"losses": {}, "lr_steps": []}
+    for step in range(1, STEPS + 1):
+        optimizers.zero_grad()
+        result["losses"][step] = forward_backward(model, tokens)
+        if step == NAN_STEP:
+            if rank == 1:
+                _local(model.norm.weight.grad)[0] = float("nan")
+            before = _snapshot(model, optimizers)
+        try:
+            optimizers.clip_grad_norm_(job_config.training.max_norm, step)
+        except RuntimeError as error:
+            result["error"] = str(error)
+            return result
+        optimizers.step()
+        lr_schedulers.step()
+        result["lr_steps"].append(lr_schedulers.schedulers[0].last_epoch)
+        if step == NAN_STEP:
+            after = _snapshot(model, optimizers)
+            result["unchanged"] = sorted(k for k in before if torch.equal(before[k], after[k]))
+            result["keys"] = sorted(before)
+            result["grads_zeroed"] = all(
+                p.grad is None or not _local(p.grad).any() for p in model.parameters()
+            )
+    return result
+
+
+def test_nonfinite_grad_norm_skip_stop_continue():
+    """A NaN on one rank makes the global norm NaN on both. skip: that step leaves every
+    parameter and optimizer state bit-identical, and training goes on with finite losses;
+    stop: both ranks raise naming the step and the option; continue: the NaN reaches the
+    weights."""
+    by_rank = run_distributed(nonfinite_grad_norm_worker, 2)
+    for result in by_rank:
+        skip, stop, go_on = (result[policy] for policy in POLICIES)
+        assert skip["unchanged"] == skip["keys"]
+        assert any(k.startswith("model.layers.") for k in skip["keys"])
+        assert any(k.endswith(".momentum_buffer") for k in skip["keys"])
+        assert any(k.endswith(".exp_avg_sq") for k in skip["keys"])
+        assert skip["grads_zeroed"]
+        assert skip["lr_steps"] == [1, 2, 3, 4]  # the scheduler advanced through the skip
+        losses = skip["losses"]
+        assert all(math.isfinite(v) for v in losses.values())
+        assert losses[NAN_STEP + 1] == losses[NAN_STEP]  # the same weights and batch
+        assert losses[STEPS] < losses[NAN_STEP + 1] < losses[1]
+
+        assert stop["error"] == (
+            f"step {NAN_STEP}: the global gradient norm is nan; stopping, as "
+            "[dmuon] nonfinite_grad_norm = 'stop' asks ('skip' skips such steps)"
+        )
+        assert sorted(stop["losses"]) == [1, NAN_STEP]
+
+        assert not math.isfinite(go_on["losses"][NAN_STEP + 1])
+
+
+IMPLEMENTATIONS = ("for-loop", "foreach", "fused")
+
+
+def implementation_worker(rank: int, world: int) -> dict[str, dict]:
+    """One step under each ``[optimizer] implementation``: the AdamW group's flags and
+    this rank's AdamW state and weights after it."""
+    register()
+    result = {}
+    for implementation in IMPLEMENTATIONS:
+        model, optimizers, _, tokens, job_config = build_debug_llama3(
+            rank, world, "--optimizer.implementation", implementation
+        )
+        forward_backward(model, tokens)
+        optimizers.clip_grad_norm_(job_config.training.max_norm, 1)
+        optimizers.step()
+        (muon,) = optimizers.optimizers
+        adamw_group = muon.param_groups[1]
+        result[implementation] = {
+            "flags": (adamw_group["foreach"], adamw_group["fused"]),
+            "state": _snapshot(model, optimizers),
+        }
+    return result
+
+
+def test_optimizer_implementation_reaches_adamw():
+    """[optimizer] implementation picks DMuon's AdamW kernels as it picks TorchTitan's
+    AdamW ones (fused is TorchTitan's default; torch 2.13 has a fused CPU AdamW): the
+    three agree on the step."""
+    for result in run_distributed(implementation_worker, 2):
+        assert result["for-loop"]["flags"] == (False, False)
+        assert result["foreach"]["flags"] == (True, False)
+        assert result["fused"]["flags"] == (False, True)
+        reference = result["for-loop"]["state"]
+        assert any(k.endswith(".exp_avg") for k in reference)
+        for implementation in ("foreach", "fused"):
+            state = result[implementation]["state"]
+            assert sorted(state) == sorted(reference)
+            for key, value in reference.items():
+                torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-7, msg=key)
+
+
+def _resume_from(run: str, step: int) -> list[str]:
+    return [
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "3",
+        "--checkpoint.initial_load_path",
+        f"{{dump}}/{run}/checkpoint/step-{step}",
+        "--checkpoint.no-initial_load_model_only",
+        "--checkpoint.exclude_from_loading",
+        "optimizer",
+    ]
+
+
+def test_resume_across_adamw_and_dmuon(tmp_path):
+    """AdamW saves at step 3, DMuon resumes from it (without the optimizer state) and
+    saves at step 6, AdamW resumes from that: the LR schedule carries on across the
+    different numbers of param groups (AdamW one, DMuon two), from the trained weights."""
+    adamw = ["--optimizer.name", "AdamW"]
+    steps = "--training.steps"
+    saved, dmuon, back = run_case(
+        OverrideDefinitions(
+            [
+                [*SHORT, steps, "3", *adamw, *CHECKPOINT],
+                [*SHORT, *_resume_from("run0", 3)],
+                [*SHORT, steps, "9", *adamw, *_resume_from("run1", 6)],
+            ],
+            "AdamW -> DMuon -> AdamW through checkpoints without optimizer state",
+            "resume_across_optimizers",
+        ),
+        tmp_path,
+    )
+    assert sorted(dmuon.losses) == [4, 5, 6] and sorted(back.losses) == [7, 8, 9]
+    assert dmuon.losses[4] < saved.losses[1] - 0.1
+    assert back.losses[7] < dmuon.losses[4]
+    for run, saved_groups, groups, step in ((dmuon, 1, 2, 3), (back, 2, 1, 6)):
+        assert (
+            f"lr_scheduler: the checkpoint's schedule is for {saved_groups} param group(s), "
+            f"this optimizer has {groups}: continuing it at step {step} with this run's "
+            "base learning rates"
+        ) in run.output
+
+
+FLOAT8 = ["--model.converters", "quantize.linear.float8", "--quantize.linear.float8.emulate"]
+FLOAT8_FSDP = [
+    "--quantize.linear.float8.enable_fsdp_float8_all_gather",
+    "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp",
+]
+
+
+def test_float8_fsdp_all_gather(tmp_path):
+    """float8 linears (emulated on CPU) with FSDP's float8 all-gather and precomputed
+    scales: the dedicated matrices train beside them, close to the run without float8."""
+    plain, float8 = run_case(
+        OverrideDefinitions(
+            [SHORT, [*SHORT, *FLOAT8, *FLOAT8_FSDP]],
+            "float8 with FSDP float8 all-gather and precomputed scales, with DMuon",
+            "float8_fsdp_all_gather",
+        ),
+        tmp_path,
+    )
+    assert "Swapped to Float8Linear layers with enable_fsdp_float8_all_gather=True" in (
+        float8.output
+    )
+    steps = range(1, 7)
+    assert [float8.losses[s] for s in steps] == pytest.approx(
+        [plain.losses[s] for s in steps], rel=2e-2
+    )
