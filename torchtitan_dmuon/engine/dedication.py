@@ -26,7 +26,7 @@ from torchtitan_dmuon.engine.others import OtherParams
 from torchtitan_dmuon.engine.plan import Plan
 from torchtitan_dmuon.engine.replicas import Replicas
 from torchtitan_dmuon.engine.settings import DedicationSettings
-from torchtitan_dmuon.engine.unit import BucketPool, Unit
+from torchtitan_dmuon.engine.unit import Unit
 
 __all__ = ["Dedication", "get_dedication"]
 
@@ -94,7 +94,6 @@ class Dedication:
             group = comm.engine_group(replicate_mesh.get_group(), "dmuon_replicate")
             self.replicas = Replicas(group, replicate_rank, replicate_mesh.size(), self.stats)
         self.others: OtherParams | None = None
-        self.pool = BucketPool()
         self.requires_gradient_sync = True
         self.synced_backwards = 0
         self.initialized = False
@@ -164,7 +163,7 @@ class Dedication:
     def reduce_to_column(self, unit: Unit) -> tuple[dist.Work, torch.Tensor]:
         """Stage 1: pack the local gradients, free the values outside the column and SUM
         the bucket onto the unit's column inside this shard group."""
-        bucket = unit.pack_grads(self.pool)
+        bucket = unit.pack_grads()
         unit.free()
         return comm.reduce_sum(bucket, unit.column, self.reduce_group, self.stats), bucket
 
@@ -185,16 +184,14 @@ class Dedication:
                 work.wait()
             if unit.primary:
                 unit.accumulate_grads(bucket, divide)
-            self.pool.give(bucket)
-        self.others.sync_grads(self.settings, self.stats, self.pool)
+        self.others.sync_grads(self.settings, self.stats)
         self.synced_backwards += 1
 
     def discard_reduces(self, reduces: list[tuple[Unit, dist.Work, torch.Tensor]]) -> None:
         """A failed pass's reduces: let them land (their buffers are in use until then)
         and drop them."""
-        for _, work, bucket in reduces:
+        for _, work, _ in reduces:
             work.wait()
-            self.pool.give(bucket)
 
     # ---- step protocol -------------------------------------------------------------------------
     def owned_grads(self) -> list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]]:
@@ -288,7 +285,6 @@ class Dedication:
         _DEDICATIONS.pop(self.model, None)
         for module in self.model.modules():
             patches.unmark_dedicated(module)
-        self.pool.clear()
         for group in self.process_groups():
             dist.destroy_process_group(group)
 

@@ -18,7 +18,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from torchtitan_dmuon.engine import comm
 from torchtitan_dmuon.engine.settings import DedicationSettings
-from torchtitan_dmuon.engine.unit import BucketPool, flagged_grad_bucket
+from torchtitan_dmuon.engine.unit import flagged_grad_bucket
 
 __all__ = ["OtherParams"]
 
@@ -76,9 +76,7 @@ class OtherParams:
                 dist.broadcast(b.data, src=0)
 
     @torch.no_grad()
-    def sync_grads(
-        self, settings: DedicationSettings, stats: comm.CommStats, pool: BucketPool
-    ) -> None:
+    def sync_grads(self, settings: DedicationSettings, stats: comm.CommStats) -> None:
         """Average (or sum, per ``settings``) their gradients over all ranks, in one bucket.
 
         The bucket has a place and a has-gradient flag for every parameter, so a rank that
@@ -89,7 +87,7 @@ class OtherParams:
         if not self.params:
             return
         dtype = functools.reduce(torch.promote_types, (p.dtype for p in self.params))
-        bucket = flagged_grad_bucket(self.params, dtype, self.params[0].device, pool)
+        bucket = flagged_grad_bucket(self.params, dtype, self.params[0].device)
         numel = bucket.numel() - len(self.params)
         comm.all_reduce_sum(bucket, None, stats).wait()
         bucket[:numel].div_(settings.divide_factor(dist.get_world_size()))
@@ -103,4 +101,3 @@ class OtherParams:
                 p.grad = mean.to(p.dtype, copy=True)
             else:
                 p.grad.copy_(mean)
-        pool.give(bucket)

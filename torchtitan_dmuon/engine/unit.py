@@ -7,61 +7,36 @@ autograd saved in forward still sees the values in backward. The primary owner k
 full-precision master under mixed precision, and the reduced gradient in the master dtype,
 accumulated over micro-batches until ``zero_grad``.
 
-Reduce buckets are transient on every rank and come from a :class:`BucketPool`: a step
-needs the same bucket sizes every time, so after the first step nothing new is allocated.
+Reduce buckets are transient: each lives from its boundary's reduce to the end of
+backward, and the owner's reduced gradient from the end of backward to ``zero_grad``
+(FSDP2's ``set_to_none``), so between steps a rank keeps only its values, masters and
+momentum.
 """
 
 from __future__ import annotations
-
-from collections import defaultdict
 
 import torch
 from torch import nn
 
 from torchtitan_dmuon.engine.plan import DedicatedParam, UnitPlan
 
-__all__ = ["BucketPool", "Unit", "flagged_grad_bucket"]
-
-
-class BucketPool:
-    """Reusable 1-D buffers by (numel, dtype, device).
-
-    The allocator of a CPU process does not cache like the CUDA one: buffers freed and
-    allocated again every step fragment the heap and the process grows. Holding them here
-    bounds the engine's transient memory by the most buckets in flight at once.
-    """
-
-    def __init__(self) -> None:
-        self._free: dict[tuple, list[torch.Tensor]] = defaultdict(list)
-
-    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        free = self._free[(numel, dtype, device)]
-        return free.pop() if free else torch.empty(numel, dtype=dtype, device=device)
-
-    def give(self, buffer: torch.Tensor) -> None:
-        self._free[(buffer.numel(), buffer.dtype, buffer.device)].append(buffer)
-
-    def clear(self) -> None:
-        self._free.clear()
+__all__ = ["Unit", "flagged_grad_bucket"]
 
 
 def flagged_grad_bucket(
-    params: list[nn.Parameter], dtype: torch.dtype, device: torch.device, pool: BucketPool
+    params: list[nn.Parameter], dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
     """Every parameter's gradient back to back (zeros where it has none), then one
     has-gradient flag per parameter: a bucket of the same size on every rank, whatever
     gradients each rank computed, so that a gradient no rank computed can be told from
     one whose sum is zero."""
     numel = sum(p.numel() for p in params)
-    bucket = pool.take(numel + len(params), dtype, device)
+    bucket = torch.zeros(numel + len(params), dtype=dtype, device=device)
     offset = 0
     for i, p in enumerate(params):
-        piece = bucket[offset : offset + p.numel()]
         if p.grad is not None:
-            piece.copy_(p.grad.reshape(-1))
-        else:
-            piece.zero_()
-        bucket[numel + i] = p.grad is not None
+            bucket[offset : offset + p.numel()].copy_(p.grad.reshape(-1))
+            bucket[numel + i] = 1
         offset += p.numel()
     return bucket
 
@@ -90,7 +65,6 @@ class Unit:
         self.reduce_dtype: torch.dtype | None = None
         self.grad: torch.Tensor | None = None
         self.grad_flags: torch.Tensor | None = None
-        self._has_grads = False
 
     @property
     def column(self) -> int:
@@ -155,11 +129,11 @@ class Unit:
             self.flat.copy_(self.master)
 
     # ---- gradients -------------------------------------------------------------------
-    def pack_grads(self, pool: BucketPool) -> torch.Tensor:
+    def pack_grads(self) -> torch.Tensor:
         """The reduce bucket (reduce dtype, a has-gradient flag per matrix after the
         values). Consumes the local gradients."""
         params = [d.param for d in self.params]
-        bucket = flagged_grad_bucket(params, self.reduce_dtype, self.flat.device, pool)
+        bucket = flagged_grad_bucket(params, self.reduce_dtype, self.flat.device)
         for p in params:
             p.grad = None
         return bucket
@@ -171,22 +145,18 @@ class Unit:
         values, flags = bucket[: self.numel], bucket[self.numel :]
         values.div_(divide_factor)
         if self.grad is None:
-            self.grad = torch.empty(self.numel, dtype=self.master_dtype, device=bucket.device)
-            self.grad_flags = torch.zeros(len(self.params), dtype=torch.bool, device=bucket.device)
-        if self._has_grads:
+            self.grad = values.to(self.master_dtype, copy=True)
+            self.grad_flags = flags != 0
+        else:
             self.grad.add_(values)
             self.grad_flags |= flags != 0
-        else:
-            self.grad.copy_(values)
-            self.grad_flags.copy_(flags != 0)
-            self._has_grads = True
 
     def zero_grad(self) -> None:
-        self._has_grads = False
+        self.grad = self.grad_flags = None
 
     def grads_held(self) -> torch.Tensor | None:
         """Primary, after a reduced backward: the has-gradient flags (a device tensor)."""
-        return self.grad_flags if self._has_grads else None
+        return self.grad_flags
 
     def grad_view(self, d: DedicatedParam) -> torch.Tensor:
         return self.view(self.grad, d)
