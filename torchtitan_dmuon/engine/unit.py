@@ -145,7 +145,8 @@ class Unit:
         values, flags = bucket[: self.numel], bucket[self.numel :]
         values.div_(divide_factor)
         if self.grad is None:
-            self.grad = values.to(self.master_dtype, copy=True)
+            # The bucket itself when it is in the master dtype: no copy.
+            self.grad = values.to(self.master_dtype)
             self.grad_flags = flags != 0
         else:
             self.grad.add_(values)
