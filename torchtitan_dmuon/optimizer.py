@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from torchtitan_dmuon.engine import get_dedication, verify_plan
 from torchtitan_dmuon.engine.selection import select_matrices
@@ -225,19 +226,20 @@ class Muon(torch.optim.Optimizer):
             self.dedication.before_step()
 
         group = self.param_groups[0]
-        if self.dedication is not None:
-            # Only the owner holds a matrix's reduced gradient: it alone steps it.
-            targets = self.dedication.owned_grads()
-        else:
-            targets = [(p, p, p.grad) for p in group["params"] if p.grad is not None]
-        params, grads, bufs = [], [], []
-        for key, param, grad in targets:
-            state = self.state[key]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(param)
-            params.append(param)
-            grads.append(grad)
-            bufs.append(state["momentum_buffer"])
+        with record_function("dmuon::owned_grads"):
+            if self.dedication is not None:
+                # Only the owner holds a matrix's reduced gradient: it alone steps it.
+                targets = self.dedication.owned_grads()
+            else:
+                targets = [(p, p, p.grad) for p in group["params"] if p.grad is not None]
+            params, grads, bufs = [], [], []
+            for key, param, grad in targets:
+                state = self.state[key]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(param)
+                params.append(param)
+                grads.append(grad)
+                bufs.append(state["momentum_buffer"])
         if params:
             schedule = resolve_ns_schedule(group["ns_coefficients"], group["ns_steps"])
             self.ns_matrices += muon_step(

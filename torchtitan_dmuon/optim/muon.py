@@ -5,7 +5,7 @@ For each matrix parameter ``p`` with gradient ``g`` and momentum buffer ``buf``:
     buf.lerp_(g, 1 - momentum)                        # EMA momentum
     u = g.lerp(buf, momentum) if nesterov else buf    # Nesterov look-ahead
     o = newton_schulz(u)                              # orthogonalize
-    p.mul_(1 - lr * weight_decay)                     # decoupled weight decay
+    p.mul_(1 - lr * weight_decay)                     # decoupled weight decay (skipped at 0)
     p.add_(o, alpha=-adjusted_lr(lr, p.shape))
 
 A 3-D parameter is a stack of independent matrices (MoE experts stored as one
@@ -22,6 +22,7 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 
 import torch
+from torch.profiler import record_function
 
 from torchtitan_dmuon.optim.newton_schulz import matrix_count
 
@@ -68,7 +69,9 @@ def muon_step(
 ) -> int:
     """Apply one Muon update to each matrix in ``params`` (in place).
 
-    Matrices of the same shape, dtype and device are orthogonalized as one batch.
+    Momentum and update run as foreach ops over all matrices; matrices of the same shape,
+    dtype and device are orthogonalized as one batch. Each phase is a profiler range
+    (``muon::momentum``, ``muon::newton_schulz``, ``muon::update``).
 
     Args:
         params: Matrices (2-D) or stacks of matrices (3-D) to update.
@@ -94,25 +97,36 @@ def muon_step(
                 f"Muon updates 2-D matrices or 3-D stacks of matrices, got shape {tuple(p.shape)}"
             )
         buckets[(tuple(p.shape[-2:]), p.dtype, p.device)].append(i)
+    if not params:
+        return 0
+
+    with record_function("muon::momentum"):
+        torch._foreach_lerp_(momentum_buffers, grads, 1 - momentum)
+        updates = (
+            torch._foreach_lerp(grads, momentum_buffers, momentum)
+            if nesterov
+            else list(momentum_buffers)
+        )
 
     matrices = 0
     for indices in buckets.values():
-        updates = []
-        for i in indices:
-            g, buf = grads[i], momentum_buffers[i]
-            buf.lerp_(g, 1 - momentum)
-            updates.append(g.lerp(buf, momentum) if nesterov else buf)
-        if len(updates) == 1:
-            orthogonal = [ns(updates[0])]
-        else:
-            batch = torch.cat([u.reshape(-1, *u.shape[-2:]) for u in updates])
-            counts = [matrix_count(u.shape) for u in updates]
-            orthogonal = [
-                o.reshape(u.shape) for o, u in zip(ns(batch).split(counts), updates, strict=True)
-            ]
-        for i, o in zip(indices, orthogonal, strict=True):
-            p = params[i]
-            p.mul_(1 - lr * weight_decay)
-            p.add_(o, alpha=-adjusted_lr(lr, adjust_lr_fn, p.shape))
-            matrices += matrix_count(p.shape)
+        bucket_updates = [updates[i] for i in indices]
+        with record_function("muon::newton_schulz"):
+            if len(indices) == 1:
+                orthogonal = [ns(bucket_updates[0])]
+            else:
+                batch = torch.cat([u.reshape(-1, *u.shape[-2:]) for u in bucket_updates])
+                counts = [matrix_count(u.shape) for u in bucket_updates]
+                orthogonal = [
+                    o.view(u.shape)
+                    for o, u in zip(ns(batch).split(counts), bucket_updates, strict=True)
+                ]
+        with record_function("muon::update"):
+            bucket_params = [params[i] for i in indices]
+            if weight_decay != 0:
+                torch._foreach_mul_(bucket_params, 1 - lr * weight_decay)
+            # One learning rate per bucket: every matrix in it has the same shape.
+            alpha = -adjusted_lr(lr, adjust_lr_fn, bucket_params[0].shape)
+            torch._foreach_add_(bucket_params, orthogonal, alpha=alpha)
+        matrices += sum(matrix_count(p.shape) for p in bucket_params)
     return matrices
