@@ -1,4 +1,4 @@
-"""Time the Newton-Schulz backends (torch, triton, gram; auto on CUDA) over matrix shapes.
+"""Time the Newton-Schulz backends (torch, triton on CUDA, gram, auto) over matrix shapes.
 
 Shapes are ``(s, aspect * s)`` for each short side ``s`` and aspect ratio, skipping those
 above ``--max-elems``, plus batches of ``--batch`` matrices at the smallest sizes. Prints a
@@ -95,7 +95,7 @@ def parse_args() -> argparse.Namespace:
     if args.reps is None:
         args.reps = 10 if cuda else 3
     if args.backends is None:
-        args.backends = ["torch", "triton", "gram", "auto"] if cuda else ["torch", "gram"]
+        args.backends = ["torch", "triton", "gram", "auto"] if cuda else ["torch", "gram", "auto"]
     # torch is the baseline of every speedup.
     args.backends = ["torch"] + [b for b in args.backends if b != "torch"]
     return args

@@ -1,4 +1,4 @@
-"""Triton Newton-Schulz kernels and the "triton"/"auto" backends.
+"""Triton Newton-Schulz kernels and the "triton" backend.
 
 Without a GPU the kernels run under the Triton interpreter (see conftest.py), which is slow:
 shapes stay small. Shapes are not block multiples, so edge masks are exercised.
@@ -11,9 +11,8 @@ import torch
 
 from tests.models import batch, loss_fn, make_model, proj_predicate
 from torchtitan_dmuon import Muon
-from torchtitan_dmuon.optim import ns_backends
 from torchtitan_dmuon.optim.newton_schulz import newton_schulz, resolve_ns_schedule
-from torchtitan_dmuon.optim.ns_backends import choose_ns_backend, get_ns_backend
+from torchtitan_dmuon.optim.ns_backends import get_ns_backend
 
 triton_ns = pytest.importorskip("torchtitan_dmuon.optim.kernels.triton_ns")
 
@@ -127,45 +126,6 @@ def test_cpu_tensor_needs_the_interpreter(monkeypatch):
     monkeypatch.setattr(triton_ns, "INTERPRET", False)
     with pytest.raises(RuntimeError, match="needs CUDA tensors.*TRITON_INTERPRET=1"):
         triton_ns.triton_newton_schulz(torch.randn(8, 8), resolve_ns_schedule("quintic", 1))
-
-
-def test_auto_is_torch_off_cuda_and_for_small_matrices():
-    schedule = resolve_ns_schedule("quintic", 5)
-    g = _randn(64, 96, seed=8)
-    assert choose_ns_backend(g, schedule, dtype=torch.bfloat16) == "torch"
-    assert choose_ns_backend(g.cpu(), schedule, dtype=torch.bfloat16) == "torch"
-    assert torch.equal(get_ns_backend("auto")(g, schedule), newton_schulz(g, schedule))
-
-
-@pytest.mark.parametrize(
-    "timings, broken, expected",
-    [
-        ({"torch": 10.0, "triton": 6.0, "gram": 5.0}, None, "gram"),
-        ({"torch": 10.0, "triton": 6.0, "gram": 5.0}, "gram", "triton"),
-        ({"torch": 10.0, "triton": 9.8, "gram": 12.0}, None, "torch"),  # within the margin
-    ],
-)
-def test_auto_picks_the_fastest_correct_backend(monkeypatch, timings, broken, expected):
-    """The selection logic of "auto" on CUDA, with fake timings (no GPU needed)."""
-    last = []
-
-    def tracked(name, real):
-        def backend(grad, *args, **kwargs):
-            last.append(name)
-            out = real(grad, *args, **kwargs)
-            return torch.zeros_like(out) if name == broken else out
-
-        return backend
-
-    for name in timings:
-        real = ns_backends.NS_BACKENDS[name]
-        monkeypatch.setitem(ns_backends.NS_BACKENDS, name, tracked(name, real))
-    monkeypatch.setattr(ns_backends, "_cuda_ms", lambda fn: (fn(), timings[last[-1]])[1])
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "fake GPU")
-    schedule = resolve_ns_schedule("quintic", 2)
-    g = _randn(24, 40, seed=9)
-    picked = ns_backends._measure_fastest(g, schedule, eps=1e-7, dtype=torch.float32)
-    assert picked == expected
 
 
 def test_muon_trains_like_torch_backend():

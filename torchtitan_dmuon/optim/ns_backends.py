@@ -8,14 +8,16 @@ in ``dtype`` and the input's shape. Registered backends:
 * ``"triton"``: symmetric Triton kernels (CUDA; ``optim.kernels.triton_ns``), imported on
   first use so that this package imports without Triton.
 * ``"gram"``: Gram Newton-Schulz (``optim.kernels.gram_ns``), fewer FLOPs on wide matrices.
-* ``"auto"``: the fastest of them that is correct for the input (see
-  :func:`choose_ns_backend`). The pick can differ between GPUs and runs, and the backends
-  round differently: name a backend explicitly for bit-reproducible runs.
+* ``"auto"``: the fastest of them that is correct for the input, measured once per shape
+  on whatever device the input is on (see :func:`choose_ns_backend`). The pick can differ
+  between machines, ranks and runs, and the backends round differently: name a backend
+  explicitly for bit-reproducible runs.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 import torch
@@ -25,6 +27,7 @@ from torchtitan_dmuon.optim.newton_schulz import EPS, NSSchedule, newton_schulz
 
 __all__ = [
     "AUTO_MIN_SIDE",
+    "AUTO_MIN_SIDE_CPU",
     "NS_BACKENDS",
     "NSBackend",
     "auto_newton_schulz",
@@ -38,8 +41,13 @@ logger = logging.getLogger(__name__)
 NSBackend = Callable[..., torch.Tensor]
 
 AUTO_MIN_SIDE = 1024
-"""Below this short side ``"auto"`` keeps ``"torch"`` without measuring: launch overhead
-dominates there, and published symmetric kernels lose to cuBLAS below about 1024."""
+"""On accelerators, below this short side ``"auto"`` keeps ``"torch"`` without measuring:
+launch overhead dominates there, and published symmetric kernels lose to cuBLAS below
+about 1024."""
+
+AUTO_MIN_SIDE_CPU = 64
+"""On CPU, below this short side ``"auto"`` keeps ``"torch"`` without measuring: one
+Newton-Schulz takes well under a millisecond there, less than timing noise."""
 
 # A candidate must beat torch by this factor, so that timing noise never picks a slower one.
 _AUTO_MARGIN = 0.97
@@ -65,15 +73,28 @@ def _triton_newton_schulz(
     return triton_newton_schulz(grad, schedule, eps=eps, dtype=dtype)
 
 
-def _cuda_ms(fn: Callable[[], torch.Tensor]) -> float:
-    """Mean milliseconds of ``fn`` on the current CUDA stream (already warmed up)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
+def _elapsed_ms(fn: Callable[[], torch.Tensor], device: torch.device) -> float:
+    """Fastest of a few runs of ``fn`` in milliseconds (already warmed up). The minimum,
+    because other processes sharing the machine only ever make a run slower."""
+    samples = []
     for _ in range(_AUTO_REPS):
+        if device.type != "cpu":
+            torch.accelerator.synchronize(device)
+        start = time.perf_counter()
         fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / _AUTO_REPS
+        if device.type != "cpu":
+            torch.accelerator.synchronize(device)
+        samples.append(1e3 * (time.perf_counter() - start))
+    return min(samples)
+
+
+def _candidates(device: torch.device) -> tuple[str, ...]:
+    # The triton kernels need CUDA (the interpreter is far too slow to be a candidate).
+    return ("triton", "gram") if device.type == "cuda" else ("gram",)
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
 def _measure_fastest(
@@ -85,9 +106,9 @@ def _measure_fastest(
         return NS_BACKENDS[name](grad, schedule, eps=eps, dtype=dtype)
 
     reference = run("torch")  # also the warm-up
-    timings = {"torch": _cuda_ms(lambda: run("torch"))}
+    timings = {"torch": _elapsed_ms(lambda: run("torch"), grad.device)}
     best, best_ms = "torch", timings["torch"] * _AUTO_MARGIN
-    for name in ("triton", "gram"):
+    for name in _candidates(grad.device):
         try:
             # The first call compiles and autotunes; it must not be timed.
             out = run(name)
@@ -98,7 +119,7 @@ def _measure_fastest(
         if not error <= _AUTO_TOLERANCE[dtype]:
             logger.warning("ns_backend='auto': %r is off by %.3g, skipping it", name, error)
             continue
-        timings[name] = _cuda_ms(lambda name=name: run(name))
+        timings[name] = _elapsed_ms(lambda name=name: run(name), grad.device)
         if timings[name] < best_ms:
             best, best_ms = name, timings[name]
     logger.info(
@@ -106,7 +127,7 @@ def _measure_fastest(
         best,
         tuple(grad.shape),
         dtype,
-        torch.cuda.get_device_name(grad.device),
+        _device_name(grad.device),
         {k: round(v, 3) for k, v in timings.items()},
     )
     return best
@@ -121,13 +142,16 @@ def choose_ns_backend(
 ) -> str:
     """The backend that ``"auto"`` runs for this input.
 
-    ``"torch"`` off CUDA, for dtypes other than bf16/fp16/fp32 and for short sides below
-    :data:`AUTO_MIN_SIDE`. Otherwise every backend runs once on ``grad`` and is timed; the
-    fastest one whose result is close to torch's wins, and another backend replaces torch
-    only if it is at least 3% faster. The pick is cached per device, shape, dtype and
-    number of steps, so each shape is measured once per process.
+    ``"torch"`` for dtypes other than bf16/fp16/fp32 and for short sides below
+    :data:`AUTO_MIN_SIDE_CPU` on CPU, :data:`AUTO_MIN_SIDE` elsewhere. Otherwise every
+    backend the device can run (triton and gram on CUDA, gram elsewhere) runs on ``grad``
+    and is timed; the fastest one whose result is close to torch's wins, and another
+    backend replaces torch only if it is at least 3% faster. The pick is cached per
+    device, shape, dtype and number of steps, so each shape is measured once per process,
+    and logged.
     """
-    if not grad.is_cuda or dtype not in _AUTO_TOLERANCE or min(grad.shape[-2:]) < AUTO_MIN_SIDE:
+    min_side = AUTO_MIN_SIDE_CPU if grad.device.type == "cpu" else AUTO_MIN_SIDE
+    if dtype not in _AUTO_TOLERANCE or min(grad.shape[-2:]) < min_side:
         return "torch"
     key = (grad.device, tuple(grad.shape), dtype, schedule.steps)
     if key not in _auto_choices:
