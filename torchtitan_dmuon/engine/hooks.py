@@ -4,8 +4,10 @@ Per boundary (in the manner of FSDP2):
 
 * pre-forward: gather (broadcast from the owners) the boundary's units, prefetching the next
   boundary's;
-* post-forward: Z3 frees non-owned units; a grad hook on the outputs is the pre-backward
-  trigger (Z3 gathers again there, prefetching the next boundary in backward order);
+* post-forward: Z3 frees non-owned units, except the last boundary's, which backward needs
+  first (as TorchTitan leaves its last block unsharded); a grad hook on the outputs is the
+  pre-backward trigger (Z3 gathers again there, prefetching the next boundary in backward
+  order);
 * post-accumulate-grad: when every dedicated matrix of the boundary has its gradient, its
   units' gradients are packed and SUM-reduced to their owners asynchronously (overlapping
   the rest of backward), and non-owners free both gradient and parameter;
@@ -91,6 +93,8 @@ class HookDriver:
         backward_order = forward_order[::-1]
         self.state = TrainingState.IDLE
         self._gathers: dict[int, list[dist.Work]] = {}
+        # Z3: the boundary forward left gathered for backward (the last one), if any.
+        self._kept: int | None = None
         self._reduces: list[tuple[object, dist.Work, torch.Tensor]] = []
         self.forward_gathers = _Sequence(forward_order, self._issue_gather)
         self.backward_gathers = _Sequence(backward_order, self._issue_gather)
@@ -144,6 +148,9 @@ class HookDriver:
 
     # ---- collectives ---------------------------------------------------------------------
     def _issue_gather(self, b: int) -> None:
+        if b == self._kept:  # still holds the values forward used: nothing to send
+            self._kept = None
+            return
         with record_function(f"dmuon::gather b{b}"):
             self._gathers[b] = [self.d.gather(u) for u in self.d.boundary_units[b]]
 
@@ -161,6 +168,8 @@ class HookDriver:
                 self._reduces.append((unit, work, bucket))
 
     def _free_boundary(self, b: int) -> None:
+        if b == self._kept:
+            self._kept = None
         for unit in self.d.boundary_units[b]:
             unit.free()
 
@@ -183,6 +192,7 @@ class HookDriver:
         self.d.lazy_init()
         self.state = TrainingState.FORWARD
         self.forward_gathers.reset()
+        self._kept = None
         return None
 
     def _root_post_forward(self, module: nn.Module, args, kwargs, output):
@@ -219,8 +229,14 @@ class HookDriver:
         def hook(module, args, kwargs, output):
             if self.state is TrainingState.BACKWARD:  # recompute: backward needs the values
                 return None
-            if self.d.settings.reshard_after_forward or not torch.is_grad_enabled():
+            if not torch.is_grad_enabled():
                 self._free_boundary(b)
+            elif self.d.settings.reshard_after_forward:
+                # The same boundary on every rank, so the backward gather sequences agree.
+                if b == len(self._expected) - 1:
+                    self._kept = b
+                else:
+                    self._free_boundary(b)
             self._register_pre_backward(output, lambda grad: self._pre_backward(b))
             return None
 
