@@ -9,8 +9,17 @@ machine drift hits all alike. Per mode it reports the median and spread of the s
 step plus the job's Newton-Schulz time divided by the world size), payload bytes per rank
 per step by collective kind (counted by wrapping torch.distributed), Newton-Schulz FLOPs
 per rank (max / mean), peak memory per rank (max over ranks: persistent state plus the
-largest transient allocation during a profiled step) and the final loss. It prints a table
-and writes ``results.json`` and ``step_time.png`` into ``--out``.
+largest transient allocation during a profiled step) and the final loss.
+
+DMuon runs with the reference Newton-Schulz (``dmuon_z3``, ``dmuon_z2``: ``ns_backend =
+"torch"``) and with the measured choice (``*_auto``: ``ns_backend = "auto"``). For every
+DMuon mode a few more steps run under ``torch.profiler`` and the engine's and optimizer's
+ranges give a per-rank breakdown of the optimizer step (gradients unpacked, momentum,
+Newton-Schulz, update, AdamW, values out after the step) and of the end-of-backward wait
+for the reduces, in milliseconds per step; its floor is the busiest rank's Newton-Schulz
+plus AdamW time, from the same profiled steps. It prints two tables and writes
+``results.json`` and ``step_time.png`` (step time per mode, and the breakdown per rank)
+into ``--out``.
 """
 
 from __future__ import annotations
@@ -44,9 +53,22 @@ import torchtitan_dmuon as dmuon  # noqa: E402
 from torchtitan_dmuon.engine.comm import CollectiveCounter  # noqa: E402
 from torchtitan_dmuon.optim.newton_schulz import newton_schulz, ns_flops, resolve_ns_schedule  # noqa: E402
 
-BASE_MODES = ["adamw", "naive_muon", "dmuon_z3", "dmuon_z2"]
+BASE_MODES = ["adamw", "naive_muon", "dmuon_z3", "dmuon_z2", "dmuon_z3_auto", "dmuon_z2_auto"]
 HSDP_MODES = ["hsdp_sync", "hsdp_async"]
 MUON_LR, ADAMW_LR, MOMENTUM = 0.02, 3e-3, 0.95
+
+# Profiler ranges of the breakdown: (phase, range name). The reduce wait ends backward;
+# the others are inside the optimizer step.
+PHASES = (
+    ("reduce wait", "dmuon::finish_reduces"),
+    ("unpack", "dmuon::owned_grads"),
+    ("momentum", "muon::momentum"),
+    ("newton_schulz", "muon::newton_schulz"),
+    ("update", "muon::update"),
+    ("adamw", "Optimizer.step#AdamW.step"),
+    ("after step", "dmuon::after_step"),
+)
+STEP_RANGE = "Optimizer.step#Muon.step"
 
 
 def _device() -> torch.device:
@@ -69,7 +91,7 @@ def _build(mode: str, args, world: int, device: torch.device):
         mesh = init_device_mesh(device.type, (world,))
         if mode.startswith("dmuon"):
             dmuon.dedicate_params(
-                model, mesh, matrix_predicate, reshard_after_forward=mode == "dmuon_z3"
+                model, mesh, matrix_predicate, reshard_after_forward=mode.startswith("dmuon_z3")
             )
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
@@ -102,6 +124,7 @@ def _build(mode: str, args, world: int, device: torch.device):
             lr=MUON_LR,
             momentum=MOMENTUM,
             ns_dtype=ns_dtype,
+            ns_backend="auto" if mode.endswith("_auto") else "torch",
             adamw_lr=ADAMW_LR,
             replicate_async=mode == "hsdp_async",
         )
@@ -165,6 +188,25 @@ def _transient_peak(step_fn) -> int:
     return peak
 
 
+def _step_breakdown(step_fn, steps: int) -> dict[str, float]:
+    """Median milliseconds per step of each phase (and of the whole optimizer step), from
+    the profiler ranges of ``steps`` profiled steps (host time: on a GPU, the time to
+    issue the work)."""
+    names = dict(PHASES) | {"optimizer": STEP_RANGE}
+    samples = {phase: [] for phase in names}
+    for _ in range(steps):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            step_fn()
+        totals = dict.fromkeys(names, 0.0)
+        for event in prof.events():
+            for phase, name in names.items():
+                if event.name == name:
+                    totals[phase] += event.cpu_time_total / 1e3
+        for phase, value in totals.items():
+            samples[phase].append(value)
+    return {phase: statistics.median(values) for phase, values in samples.items()}
+
+
 def _ns_seconds(model, args, device) -> float:
     """This rank's time to orthogonalize one of each matrix once (the job's NS time per
     step is that times one, spread over the world by DMuon, repeated by naive Muon)."""
@@ -224,7 +266,7 @@ def worker(rank: int, world: int, args, store: str, result_path: str) -> None:
             for _ in range(args.steps_per_round):
                 train_step(mode, record=round_index > 0)
 
-    memory, ns_flops_rank = {}, {}
+    memory, ns_flops_rank, breakdown = {}, {}, {}
     for mode in modes:
         model, opt = runs[mode]
         with CollectiveCounter() as counter:
@@ -233,6 +275,10 @@ def worker(rank: int, world: int, args, store: str, result_path: str) -> None:
         persistent = _persistent_bytes(model, opt)
         memory[mode] = persistent + _transient_peak(lambda m=mode: train_step(m, record=False))
         ns_flops_rank[mode] = _ns_flops_per_step(mode, model, opt)
+        if dmuon.get_dedication(model) is not None:
+            breakdown[mode] = _step_breakdown(
+                lambda m=mode: train_step(m, record=False), args.breakdown_steps
+            )
 
     # Compute-only reference: forward+backward of an unsharded copy, no communication.
     torch.manual_seed(0)
@@ -252,6 +298,7 @@ def worker(rank: int, world: int, args, store: str, result_path: str) -> None:
         "collectives": collectives,
         "memory": memory,
         "ns_flops": ns_flops_rank,
+        "breakdown": breakdown,
         "losses": losses,
         "compute_fwd_bwd": statistics.median(compute[2:]),
         "ns_seconds_all_matrices": _ns_seconds(local, args, device),
@@ -316,6 +363,10 @@ def summarize(results: list[dict], modes: list[str], world: int) -> dict:
             "peak_memory_mb": max(r["memory"][mode] for r in results) / 2**20,
             "final_loss": statistics.mean(r["losses"][mode][-1] for r in results),
         }
+        if mode in results[0]["breakdown"]:
+            rows[mode]["step_breakdown"] = _summarize_breakdown(
+                [r["breakdown"][mode] for r in results]
+            )
     adamw = rows["adamw"]["step_ms"]
     for row in rows.values():
         row["ratio_to_adamw"] = row["step_ms"] / adamw
@@ -325,6 +376,20 @@ def summarize(results: list[dict], modes: list[str], world: int) -> dict:
         "compute_fwd_bwd_ms": 1e3 * compute,
         "ns_ms_all_matrices_one_rank": 1e3 * ns_all,
         "ideal_ms": adamw + 1e3 * ns_all / world,
+    }
+
+
+def _summarize_breakdown(per_rank: list[dict[str, float]]) -> dict:
+    """The per-rank phases, and the optimizer step of the slowest rank against its floor:
+    the busiest rank's Newton-Schulz plus AdamW time (same profiled steps)."""
+    floors = [b["newton_schulz"] + b["adamw"] for b in per_rank]
+    optimizer = max(b["optimizer"] for b in per_rank)
+    return {
+        "per_rank_ms": per_rank,
+        "optimizer_ms": optimizer,
+        "floor_ms": max(floors),
+        "busiest_rank": floors.index(max(floors)),
+        "ratio_to_floor": optimizer / max(floors) if max(floors) > 0 else None,
     }
 
 
@@ -361,6 +426,26 @@ def goals(summary: dict, skipped: dict[str, str]) -> list[tuple[str, bool | None
             f"{z3['peak_memory_mb']:.1f} vs {adamw['peak_memory_mb']:.1f} MiB",
         ),
     ]
+    for mode in ("dmuon_z3", "dmuon_z3_auto"):
+        breakdown = rows.get(mode, {}).get("step_breakdown")
+        if breakdown is not None and breakdown["ratio_to_floor"] is not None:
+            out.append(
+                (
+                    f"{mode} optimizer step <= 1.15x (busiest rank's NS + AdamW)",
+                    breakdown["ratio_to_floor"] <= 1.15,
+                    f"{breakdown['ratio_to_floor']:.3f}x of {breakdown['floor_ms']:.1f} ms",
+                )
+            )
+    for mode, limit in (("dmuon_z3_auto", 1.18), ("dmuon_z2_auto", 1.15)):
+        if mode in rows:
+            out.append(
+                (
+                    f"{mode} step <= {limit}x FSDP2+AdamW and below the ideal bound",
+                    rows[mode]["ratio_to_adamw"] <= limit and rows[mode]["step_ms"] < ideal,
+                    f"{rows[mode]['ratio_to_adamw']:.3f}x, {rows[mode]['step_ms'] / ideal:.3f}x "
+                    "of the ideal bound",
+                )
+            )
     for peer in PEERS:
         if peer in rows:
             out.append(
@@ -400,11 +485,34 @@ def print_table(summary: dict, skipped: dict[str, str], checks) -> None:
         f"compute-only fwd+bwd {summary['compute_fwd_bwd_ms']:.1f} ms; NS of all matrices on "
         f"one rank {summary['ns_ms_all_matrices_one_rank']:.1f} ms"
     )
+    print_breakdown(rows)
     for mode, reason in skipped.items():
         print(f"not run: {mode}: {reason}")
     for name, ok, detail in checks:
         verdict = "n/a " if ok is None else ("PASS" if ok else "MISS")
         print(f"[{verdict}] {name}: {detail}")
+
+
+def print_breakdown(rows: dict) -> None:
+    """One line per DMuon mode and rank: ms per step of each phase."""
+    modes = [m for m in rows if "step_breakdown" in rows[m]]
+    if not modes:
+        return
+    phases = [phase for phase, _ in PHASES]
+    header = f"{'mode':<14} {'rank':>4} " + " ".join(f"{p:>13}" for p in phases)
+    header += f" {'opt step':>9} {'x floor':>8}"
+    print(
+        "\noptimizer step breakdown (ms per step, profiled steps; "
+        "floor = busiest rank's NS + AdamW)"
+    )
+    print(header)
+    print("-" * len(header))
+    for mode in modes:
+        b = rows[mode]["step_breakdown"]
+        for rank, values in enumerate(b["per_rank_ms"]):
+            cells = " ".join(f"{values[p]:13.1f}" for p in phases)
+            ratio = f"{b['ratio_to_floor']:.3f}" if rank == b["busiest_rank"] else ""
+            print(f"{mode:<14} {rank:>4} {cells} {values['optimizer']:9.1f} {ratio:>8}")
 
 
 def plot(summary: dict, path: Path) -> None:
@@ -419,7 +527,11 @@ def plot(summary: dict, path: Path) -> None:
     comm = [rows[m]["fwd_bwd_ms"] - summary["compute_fwd_bwd_ms"] for m in modes]
     comm = [max(c, 0.0) for c in comm]
     opt = [rows[m]["optimizer_ms"] for m in modes]
-    fig, ax = plt.subplots(figsize=(1.4 * len(modes) + 3, 4.5))
+    broken_down = [m for m in modes if "step_breakdown" in rows[m]]
+    fig, axes = plt.subplots(
+        1, 2 if broken_down else 1, figsize=(2.8 * len(modes) + 4, 4.8), squeeze=False
+    )
+    ax = axes[0][0]
     ax.bar(modes, compute, label="forward+backward compute")
     ax.bar(modes, comm, bottom=compute, label="exposed communication (fwd/bwd)")
     ax.bar(
@@ -432,7 +544,26 @@ def plot(summary: dict, path: Path) -> None:
     ax.set_ylabel("ms per step (slowest rank, median)")
     ax.set_title("Step time per mode")
     ax.legend(fontsize=8)
-    plt.xticks(rotation=20)
+    ax.tick_params(axis="x", rotation=20)
+    if broken_down:
+        ax = axes[0][1]
+        labels, bottoms = [], []
+        for mode in broken_down:
+            for rank in range(len(rows[mode]["step_breakdown"]["per_rank_ms"])):
+                labels.append(f"{mode}\nr{rank}")
+        bottoms = [0.0] * len(labels)
+        for phase, _ in PHASES:
+            heights = [
+                values[phase]
+                for mode in broken_down
+                for values in rows[mode]["step_breakdown"]["per_rank_ms"]
+            ]
+            ax.bar(labels, heights, bottom=bottoms, label=phase)
+            bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+        ax.set_ylabel("ms per step (profiled steps, median)")
+        ax.set_title("Optimizer step breakdown per rank")
+        ax.legend(fontsize=7)
+        ax.tick_params(axis="x", labelsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -448,6 +579,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2, help="sequences per rank")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--steps-per-round", type=int, default=3)
+    parser.add_argument(
+        "--breakdown-steps", type=int, default=5, help="profiled steps per DMuon mode"
+    )
     parser.add_argument("--ns-dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
     parser.add_argument("--modes", nargs="*", default=None)
     parser.add_argument("--out", type=Path, default=Path("outputs/bench_step"))

@@ -2,9 +2,10 @@
 
     .venv/bin/python benchmarks/bench_titan.py --nproc 2 --rounds 2 --out outputs/bench_titan
 
-Runs the default config (train_configs/debug_cpu.toml) once per mode per round, modes
-interleaved, and reads TorchTitan's own per-step tokens/s from the log (steps after the
-warm-up). Prints a table and writes ``results.json``.
+Runs the default config (train_configs/debug_cpu.toml) once per mode per round (DMuon
+with the reference Newton-Schulz and with ``ns_backend = "auto"``), modes interleaved,
+and reads TorchTitan's own per-step tokens/s from the log (steps after the warm-up).
+Prints a table and writes ``results.json``.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ ROOT = Path(__file__).resolve().parents[1]
 TPS = re.compile(r"step:\s*(\d+)\s+loss:\s*(\S+).*?tps:\s*([\d,]+)")
 MODES = {
     "adamw": ["--optimizer.name", "AdamW"],
-    "dmuon_z3": [],
-    "dmuon_z2": ["--dmuon.no-reshard_after_forward"],
+    "dmuon_z3": ["--dmuon.ns_backend", "torch"],
+    "dmuon_z2": ["--dmuon.no-reshard_after_forward", "--dmuon.ns_backend", "torch"],
+    "dmuon_z3_auto": ["--dmuon.ns_backend", "auto"],
+    "dmuon_z2_auto": ["--dmuon.no-reshard_after_forward", "--dmuon.ns_backend", "auto"],
 }
 
 
@@ -71,10 +74,10 @@ def main() -> None:
         }
         for m, v in tps.items()
     }
-    print(f"{'mode':<10} {'tokens/s':>9} {'step x AdamW':>13} {'final loss':>11}")
+    print(f"{'mode':<14} {'tokens/s':>9} {'step x AdamW':>13} {'final loss':>11}")
     for m, r in rows.items():
         print(
-            f"{m:<10} {r['tps_median']:9.0f} {r['step_time_ratio_to_adamw']:13.2f} "
+            f"{m:<14} {r['tps_median']:9.0f} {r['step_time_ratio_to_adamw']:13.2f} "
             f"{r['final_loss']:11.4f}"
         )
     args.out.mkdir(parents=True, exist_ok=True)
