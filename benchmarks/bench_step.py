@@ -11,15 +11,17 @@ per step by collective kind (counted by wrapping torch.distributed), Newton-Schu
 per rank (max / mean), peak memory per rank (max over ranks: persistent state plus the
 largest transient allocation during a profiled step) and the final loss.
 
-DMuon runs with the reference Newton-Schulz (``dmuon_z3``, ``dmuon_z2``: ``ns_backend =
-"torch"``) and with the measured choice (``*_auto``: ``ns_backend = "auto"``). For every
-DMuon mode a few more steps run under ``torch.profiler`` and the engine's and optimizer's
-ranges give a per-rank breakdown of the optimizer step (gradients unpacked, momentum,
-Newton-Schulz, update, AdamW, values out after the step) and of the end-of-backward wait
-for the reduces, in milliseconds per step; its floor is the busiest rank's Newton-Schulz
-plus AdamW time, from the same profiled steps. It prints two tables and writes
-``results.json`` and ``step_time.png`` (step time per mode, and the breakdown per rank)
-into ``--out``.
+FSDP2 + AdamW runs with torch's default kernels (``adamw``: the baseline of every ratio)
+and with the fused kernel (``adamw_fused``: TorchTitan's default, and what DMuon's AdamW
+part uses). DMuon runs with the reference Newton-Schulz (``dmuon_z3``, ``dmuon_z2``:
+``ns_backend = "torch"``) and with the measured choice (``*_auto``: ``ns_backend =
+"auto"``). For every DMuon mode a few more steps run under ``torch.profiler`` and the
+engine's and optimizer's ranges give a per-rank breakdown of the optimizer step
+(gradients unpacked, momentum, Newton-Schulz, update, AdamW, values out after the step)
+and of the end-of-backward wait for the reduces, in milliseconds per step; its floor is
+the busiest rank's Newton-Schulz plus AdamW time, from the same profiled steps. It prints
+two tables and writes ``results.json`` and ``step_time.png`` (step time per mode, and the
+breakdown per rank) into ``--out``.
 """
 
 from __future__ import annotations
@@ -53,7 +55,15 @@ import torchtitan_dmuon as dmuon  # noqa: E402
 from torchtitan_dmuon.engine.comm import CollectiveCounter  # noqa: E402
 from torchtitan_dmuon.optim.newton_schulz import newton_schulz, ns_flops, resolve_ns_schedule  # noqa: E402
 
-BASE_MODES = ["adamw", "naive_muon", "dmuon_z3", "dmuon_z2", "dmuon_z3_auto", "dmuon_z2_auto"]
+BASE_MODES = [
+    "adamw",
+    "adamw_fused",
+    "naive_muon",
+    "dmuon_z3",
+    "dmuon_z2",
+    "dmuon_z3_auto",
+    "dmuon_z2_auto",
+]
 HSDP_MODES = ["hsdp_sync", "hsdp_async"]
 MUON_LR, ADAMW_LR, MOMENTUM = 0.02, 3e-3, 0.95
 
@@ -97,8 +107,12 @@ def _build(mode: str, args, world: int, device: torch.device):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     ns_dtype = getattr(torch, args.ns_dtype)
-    if mode == "adamw":
-        opt = torch.optim.AdamW(model.parameters(), lr=ADAMW_LR, betas=(0.9, 0.95))
+    if mode.startswith("adamw"):
+        # "adamw": torch's default kernels (foreach), the baseline of every ratio;
+        # "adamw_fused": the fused kernel, TorchTitan's default and DMuon's AdamW's.
+        opt = torch.optim.AdamW(
+            model.parameters(), lr=ADAMW_LR, betas=(0.9, 0.95), fused=mode == "adamw_fused" or None
+        )
     elif mode == "naive_muon":
         opt = NaiveFSDPMuon(
             model,
@@ -266,7 +280,7 @@ def worker(rank: int, world: int, args, store: str, result_path: str) -> None:
             for _ in range(args.steps_per_round):
                 train_step(mode, record=round_index > 0)
 
-    memory, ns_flops_rank, breakdown = {}, {}, {}
+    memory, ns_flops_rank, breakdown, final_loss = {}, {}, {}, {}
     for mode in modes:
         model, opt = runs[mode]
         with CollectiveCounter() as counter:
@@ -275,6 +289,7 @@ def worker(rank: int, world: int, args, store: str, result_path: str) -> None:
         persistent = _persistent_bytes(model, opt)
         memory[mode] = persistent + _transient_peak(lambda m=mode: train_step(m, record=False))
         ns_flops_rank[mode] = _ns_flops_per_step(mode, model, opt)
+        final_loss[mode] = losses[mode][-1]  # every mode after the same number of steps
         if dmuon.get_dedication(model) is not None:
             breakdown[mode] = _step_breakdown(
                 lambda m=mode: train_step(m, record=False), args.breakdown_steps
@@ -299,7 +314,7 @@ def worker(rank: int, world: int, args, store: str, result_path: str) -> None:
         "memory": memory,
         "ns_flops": ns_flops_rank,
         "breakdown": breakdown,
-        "losses": losses,
+        "final_loss": final_loss,
         "compute_fwd_bwd": statistics.median(compute[2:]),
         "ns_seconds_all_matrices": _ns_seconds(local, args, device),
     }
@@ -319,7 +334,7 @@ def _ns_flops_per_step(mode: str, model, opt) -> int | None:
     all_matrices = sum(
         ns_flops(p.shape, 5) for n, p in model.named_parameters() if matrix_predicate(n, p)
     )
-    if mode == "adamw":
+    if mode.startswith("adamw"):
         return 0
     if mode == "naive_muon":
         return all_matrices
@@ -361,7 +376,7 @@ def summarize(results: list[dict], modes: list[str], world: int) -> dict:
             if None in flops or not any(flops)
             else max(flops) / (sum(flops) / len(flops)),
             "peak_memory_mb": max(r["memory"][mode] for r in results) / 2**20,
-            "final_loss": statistics.mean(r["losses"][mode][-1] for r in results),
+            "final_loss": statistics.mean(r["final_loss"][mode] for r in results),
         }
         if mode in results[0]["breakdown"]:
             rows[mode]["step_breakdown"] = _summarize_breakdown(

@@ -15,6 +15,7 @@ from tests.models import BranchBlock, batch, loss_fn, make_model, proj_predicate
 from tests.workers import (
     ADAMW_KW,
     MUON_KW,
+    REFERENCE_ADAMW_KW,
     as_muon_adamw_kwargs,
     full_params,
     reference_setup,
@@ -71,7 +72,7 @@ def mean_of_ranks_reference(model, predicate, configure_for_rank, world=2):
         muon = [p for n, p in model.named_parameters() if predicate(n, p) and p.requires_grad]
         ids = {id(p) for p in muon}
         rest = [p for p in model.parameters() if id(p) not in ids and p.requires_grad]
-        opts = [torch.optim.Muon(muon, **MUON_KW), torch.optim.AdamW(rest, **ADAMW_KW)]
+        opts = [torch.optim.Muon(muon, **MUON_KW), torch.optim.AdamW(rest, **REFERENCE_ADAMW_KW)]
         for step in range(BRANCH_STEPS):
             for o in opts:
                 o.zero_grad()

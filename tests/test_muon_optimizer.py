@@ -14,7 +14,7 @@ from tests.models import (
     proj_or_experts_predicate,
     proj_predicate,
 )
-from tests.workers import ADAMW_KW, as_muon_adamw_kwargs
+from tests.workers import ADAMW_KW, REFERENCE_ADAMW_KW, as_muon_adamw_kwargs
 from torchtitan_dmuon import Muon
 
 
@@ -58,7 +58,9 @@ def test_bit_equal_to_torch_muon_and_adamw(adjust_lr_fn, nesterov, weight_decay)
         ns_coefficients="quintic",
         predicate=proj_predicate,
     )
-    ref = _reference_optimizers(ref_model, proj_predicate, dict(common, ns_steps=5), ADAMW_KW)
+    ref = _reference_optimizers(
+        ref_model, proj_predicate, dict(common, ns_steps=5), REFERENCE_ADAMW_KW
+    )
     ours_losses = _train(ours_model, [ours], 10)
     ref_losses = _train(ref_model, ref, 10)
     assert ours_losses == ref_losses
@@ -83,7 +85,7 @@ def test_stacked_experts_step_like_one_torch_muon_matrix_per_expert(adjust_lr_fn
         predicate=proj_or_experts_predicate,
     )
     ref = _reference_optimizers(
-        ref_model, proj_predicate, dict(common, adjust_lr_fn=adjust_lr_fn), ADAMW_KW
+        ref_model, proj_predicate, dict(common, adjust_lr_fn=adjust_lr_fn), REFERENCE_ADAMW_KW
     )
     assert _train(ours_model, [ours], 6) == _train(ref_model, ref, 6)
     for ours_layer, ref_layer in zip(ours_model.layers, ref_model.layers, strict=True):

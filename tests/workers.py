@@ -28,6 +28,8 @@ from torchtitan_dmuon.optim.newton_schulz import newton_schulz, resolve_ns_sched
 
 MUON_KW = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.01)
 ADAMW_KW = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+# The references' AdamW: the fused kernel, which Muon's AdamW runs by default on CPU.
+REFERENCE_ADAMW_KW = dict(ADAMW_KW, fused=True)
 
 
 def as_muon_adamw_kwargs(adamw_kwargs: dict) -> dict:
@@ -300,7 +302,7 @@ def train_reference(
         muon = [p for n, p in model.named_parameters() if predicate(n, p)]
         ids = {id(p) for p in muon}
         rest = [p for p in model.parameters() if id(p) not in ids]
-        opts = [torch.optim.Muon(muon, **MUON_KW), torch.optim.AdamW(rest, **ADAMW_KW)]
+        opts = [torch.optim.Muon(muon, **MUON_KW), torch.optim.AdamW(rest, **REFERENCE_ADAMW_KW)]
         losses, norms = [], []
         for step in range(steps):
             for o in opts:

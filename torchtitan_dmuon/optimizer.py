@@ -19,7 +19,9 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from torchtitan_dmuon.engine import get_dedication, verify_plan
 from torchtitan_dmuon.engine.selection import select_matrices
@@ -65,9 +67,12 @@ class Muon(torch.optim.Optimizer):
         adamw_weight_decay: AdamW decoupled weight decay.
         adamw_foreach: ``foreach`` of the inner ``torch.optim.AdamW``; None: torch's
             default.
-        adamw_fused: ``fused`` of the inner ``torch.optim.AdamW``; None: fused on CUDA
-            when every AdamW parameter is floating point and ``adamw_foreach`` is not
-            True, torch's default elsewhere.
+        adamw_fused: ``fused`` of the inner ``torch.optim.AdamW``; None: fused (as
+            TorchTitan's default ``[optimizer] implementation``) when torch has a fused
+            kernel for the parameters' devices (CPU and CUDA among them), every AdamW
+            parameter is floating point, they are all DTensors or all plain tensors and
+            ``adamw_foreach`` is not True; torch's default otherwise. The fused kernel
+            rounds differently from torch's default.
         replicate_async: Under HSDP, broadcast new values across replicas asynchronously
             (requires ``dedicate_params(..., replicate_mesh=...)``).
         predicate: One-process selection of Muon parameters, ``predicate(name, param)``;
@@ -180,8 +185,10 @@ class Muon(torch.optim.Optimizer):
         if (
             fused is None
             and not foreach
-            and device_types <= {"cuda"}
+            and device_types <= set(_get_fused_kernels_supported_devices())
             and all(p.dtype.is_floating_point for p in adamw_params)
+            # The fused kernel takes DTensors or plain tensors, not both in one call.
+            and len({isinstance(p, DTensor) for p in adamw_params}) == 1
         ):
             fused = True
         adamw = torch.optim.AdamW(
