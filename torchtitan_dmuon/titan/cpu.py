@@ -12,7 +12,8 @@ TorchTitan targets accelerators. On a machine without one (CI, laptops) this lay
 * profiles the CPU alone: TorchTitan's profiler asks for its GPU activity, ``None``
   without a GPU, which ``torch.profiler.profile`` refuses;
 * lets MoE routers count tokens (``torch.histc`` has no integer CPU kernel) and keeps
-  qwen3's MoE off the Triton-only grouped-GEMM padding path.
+  qwen3's MoE off the Triton-only grouped-GEMM padding path;
+* turns the c10d flight recorder off unless the user sized it (it fragments the heap).
 
 :func:`enable_cpu_support` applies it only when no CUDA device is present; GPU runs never
 go through it.
@@ -20,8 +21,6 @@ go through it.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import functools
 import logging
 import os
@@ -93,27 +92,34 @@ def cpu_support_enabled() -> bool:
     return _enabled
 
 
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-_MMAP_THRESHOLD_BYTES = 128 * 1024
+def _without_default_flight_recorder(init_distributed):
+    """TorchTitan's ``init_distributed`` with the c10d flight recorder off unless the user
+    sized it (``--comm.trace_buf_size`` other than TorchTitan's default).
 
-
-def _fix_mmap_threshold() -> bool:
-    """Serve every allocation of 128 KiB or more by its own mapping, returned to the
-    system when freed.
-
-    TorchTitan's c10d flight recorder keeps a small entry per collective for the next
-    20000 collectives; allocated between the blocks a step frees and allocates again
-    (gathered parameters, gradients, activations), those entries fragment glibc's heap,
-    which then keeps the freed memory: the process grows step after step, the more the
-    more collectives a step issues. Large blocks mapped on their own cannot be pinned so.
+    The recorder keeps a small entry per collective for the next ``trace_buf_size``
+    collectives. On CPU those long-lived entries land between the blocks a step frees
+    and allocates again (gathered parameters, gradients, activations) and fragment
+    glibc's heap, which then keeps the freed memory: the process grows step after step,
+    the more the more collectives a step issues. Its use, dumps of NCCL hangs, does not
+    apply to gloo. (Mapping every large block on its own also stops the growth, but
+    costs a third of the CPU throughput in page faults.)
     """
-    libc_name = ctypes.util.find_library("c")
-    if libc_name is None or "MALLOC_MMAP_THRESHOLD_" in os.environ:  # the user's choice wins
-        return False
-    libc = ctypes.CDLL(libc_name)
-    if not hasattr(libc, "mallopt"):  # not glibc
-        return False
-    return bool(libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES))
+    from torchtitan.config.job_config import Comm
+
+    default_size = Comm().trace_buf_size
+
+    @functools.wraps(init_distributed)
+    def wrapper(comm_config, *args, **kwargs):
+        if comm_config.trace_buf_size == default_size:
+            comm_config.trace_buf_size = 0
+            logger.info(
+                "CPU: the c10d flight recorder is off (it fragments the heap on CPU); "
+                "--comm.trace_buf_size N other than %d turns it on",
+                default_size,
+            )
+        return init_distributed(comm_config, *args, **kwargs)
+
+    return wrapper
 
 
 def enable_cpu_support() -> bool:
@@ -142,10 +148,7 @@ def enable_cpu_support() -> bool:
     torch.profiler.profile = _ProfileWithoutMissingActivities
     for args in qwen3_args.values():
         args.moe_args.use_grouped_mm = False
-    fixed_threshold = _fix_mmap_threshold()
+    dist_utils.init_distributed = _without_default_flight_recorder(dist_utils.init_distributed)
     _enabled = True
-    logger.info(
-        "TorchTitan CPU support enabled: device cpu, gloo, SUM reductions%s",
-        ", blocks >= 128 KiB mapped on their own (mallopt)" if fixed_threshold else "",
-    )
+    logger.info("TorchTitan CPU support enabled: device cpu, gloo, SUM reductions")
     return True
