@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-GPU step benchmark for when an accelerator is lent, in under 5 minutes:
+# One-GPU step benchmark for when an accelerator is lent, in under 7 minutes:
 #   1. DMuon vs FSDP2+AdamW vs naive FSDP2+Muon (and the peers) on the debug-size model,
 #   2. the same on a ~1B llama3-style model (dim 2048, 16 layers, 2 x 2048 tokens),
 #   3. the Newton-Schulz backend table (bench_ns.py).
@@ -24,10 +24,10 @@ else
   ns=()
 fi
 echo "== debug model" | tee "$out/debug.log"
-timeout 90 "$py" benchmarks/bench_step.py --nproc 1 "${debug[@]}" --out "$out/debug" \
+timeout 120 "$py" benchmarks/bench_step.py --nproc 1 "${debug[@]}" --out "$out/debug" \
   2>&1 | tee -a "$out/debug.log" || status=1
 echo "== ~1B model" | tee "$out/1b.log"
-timeout 120 "$py" benchmarks/bench_step.py --nproc 1 "${large[@]}" --out "$out/1b" \
+timeout 180 "$py" benchmarks/bench_step.py --nproc 1 "${large[@]}" --out "$out/1b" \
   2>&1 | tee -a "$out/1b.log" || status=1
 echo "== Newton-Schulz backends" | tee "$out/ns.log"
 timeout 80 "$py" benchmarks/bench_ns.py "${ns[@]}" --out "$out/ns" 2>&1 | tee -a "$out/ns.log" || status=1
