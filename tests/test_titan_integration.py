@@ -45,6 +45,8 @@ class Run:
 
 def run_train(args: list[str], ngpu: int, dump: Path, config_file: str) -> Run:
     env = dict(os.environ, NGPU=str(ngpu))
+    # As a user runs it: conftest's Triton interpreter would hide Triton-only paths.
+    env.pop("TRITON_INTERPRET", None)
     cmd = ["./run_train.sh", "--job.config_file", config_file, "--job.dump_folder", str(dump)]
     proc = subprocess.run(
         [*cmd, *[a.replace("{dump}", str(dump.parent)) for a in args]],

@@ -11,8 +11,9 @@ TorchTitan targets accelerators. On a machine without one (CI, laptops) this lay
   ``PREMUL_SUM``, an op gloo does not have;
 * profiles the CPU alone: TorchTitan's profiler asks for its GPU activity, ``None``
   without a GPU, which ``torch.profiler.profile`` refuses;
-* lets MoE routers count tokens (``torch.histc`` has no integer CPU kernel) and keeps
-  qwen3's MoE off the Triton-only grouped-GEMM padding path;
+* lets MoE routers count tokens (``torch.histc`` has no integer CPU kernel), keeps
+  qwen3's MoE off the Triton-only grouped-GEMM padding path and permutes the tokens of
+  expert parallelism with TorchTitan's CPU implementation, not its Triton kernel;
 * turns the c10d flight recorder off unless the user sized it (it fragments the heap).
 
 :func:`enable_cpu_support` applies it only when no CUDA device is present; GPU runs never
@@ -66,6 +67,18 @@ def _disable_fsdp_gradient_division_with_sum(model: nn.Module) -> None:
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
+
+
+def _permute_indices_on_cpu(generate_permute_indices):
+    """TorchTitan's ``generate_permute_indices`` (expert-parallel token permutation) with
+    its CPU implementation for CPU tensors: the default path launches a Triton kernel."""
+
+    @functools.wraps(generate_permute_indices)
+    def wrapper(tokens_per_expert_group, *args, use_cpu: bool = False, **kwargs):
+        use_cpu = use_cpu or tokens_per_expert_group.device.type == "cpu"
+        return generate_permute_indices(tokens_per_expert_group, *args, use_cpu=use_cpu, **kwargs)
+
+    return wrapper
 
 
 def _histc_any_dtype(histc):
@@ -132,6 +145,7 @@ def enable_cpu_support() -> bool:
     import torchtitan.distributed.utils as dist_utils
     import torchtitan.models.llama3.infra.parallelize as llama3_parallelize
     import torchtitan.models.llama4.infra.parallelize as llama4_parallelize
+    import torchtitan.models.moe.utils as moe_utils
     import torchtitan.tools.profiling as profiling
     import torchtitan.tools.utils as tools_utils
     from torchtitan.models.qwen3 import qwen3_args
@@ -145,6 +159,7 @@ def enable_cpu_support() -> bool:
     for module in (llama3_parallelize, llama4_parallelize):
         module.disable_fsdp_gradient_division = _disable_fsdp_gradient_division_with_sum
     torch.histc = _histc_any_dtype(torch.histc)
+    moe_utils.generate_permute_indices = _permute_indices_on_cpu(moe_utils.generate_permute_indices)
     torch.profiler.profile = _ProfileWithoutMissingActivities
     for args in qwen3_args.values():
         args.moe_args.use_grouped_mm = False
