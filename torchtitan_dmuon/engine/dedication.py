@@ -12,6 +12,7 @@ protocol: :meth:`owned_grads`, :meth:`before_step`, :meth:`after_step`, :meth:`z
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -28,7 +29,7 @@ from torchtitan_dmuon.engine.replicas import Replicas
 from torchtitan_dmuon.engine.settings import DedicationSettings
 from torchtitan_dmuon.engine.unit import Unit
 
-__all__ = ["Dedication", "get_dedication"]
+__all__ = ["Dedication", "PendingReduce", "get_dedication"]
 
 _DEDICATIONS: weakref.WeakKeyDictionary[nn.Module, Dedication] = weakref.WeakKeyDictionary()
 
@@ -160,38 +161,55 @@ class Dedication:
     def replicas_landed(self, boundary: int) -> bool:
         return self.replicas is None or self.replicas.landed(self.boundary_units[boundary])
 
-    def reduce_to_column(self, unit: Unit) -> tuple[dist.Work, torch.Tensor]:
+    def reduce_to_column(self, unit: Unit) -> PendingReduce:
         """Stage 1: pack the local gradients, free the values outside the column and SUM
         the bucket onto the unit's column inside this shard group."""
         bucket = unit.pack_grads()
         unit.free()
-        return comm.reduce_sum(bucket, unit.column, self.reduce_group, self.stats), bucket
+        work = comm.reduce_sum(bucket, unit.column, self.reduce_group, self.stats)
+        return PendingReduce(unit, bucket, work)
 
-    def finish_reduces(self, reduces: list[tuple[Unit, dist.Work, torch.Tensor]]) -> None:
-        """End of a reduced backward: stage 2 (HSDP) per unit as soon as its stage 1 has
-        landed, then the primaries accumulate their gradients; DDP-style sync of the rest."""
-        second_stage = []
-        for unit, work, bucket in reduces:
-            work.wait()
-            if self.replicas is not None and unit.holds:
-                work = self.replicas.reduce_to_primary(unit, bucket)
-            else:
-                work = None
-            second_stage.append((unit, work, bucket))
+    def start_second_stages(self, reduces: list[PendingReduce], wait: bool) -> None:
+        """HSDP: start stage 2 (across replicas, onto the primary) of the column's units
+        whose stage 1 has landed, in issue order; with ``wait``, of all of them.
+
+        Called as backward issues more reduces, so stage 2 overlaps the rest of backward.
+        Stopping at the first unit still in stage 1 keeps the order of the replicate
+        group's reduces the same on every replica, whenever each one is issued.
+        """
+        if self.replicas is None:
+            return
+        for pending in reduces:
+            if not pending.unit.holds or pending.to_primary is not None:
+                continue
+            if not wait and not pending.to_column.is_completed():
+                return
+            pending.to_column.wait()
+            pending.to_primary = self.replicas.reduce_to_primary(pending.unit, pending.bucket)
+
+    def finish_reduces(self, reduces: list[PendingReduce]) -> None:
+        """End of a reduced backward: the remaining second stages (HSDP), then the
+        primaries accumulate their gradients; DDP-style sync of the rest."""
+        self.start_second_stages(reduces, wait=True)
         divide = self.settings.divide_factor(self.shard_size * self.replicate_size)
-        for unit, work, bucket in second_stage:
-            if work is not None:
-                work.wait()
-            if unit.primary:
-                unit.accumulate_grads(bucket, divide)
+        for pending in reduces:
+            pending.wait()
+            if pending.unit.primary:
+                pending.unit.accumulate_grads(pending.bucket, divide)
         self.others.sync_grads(self.settings, self.stats)
         self.synced_backwards += 1
 
-    def discard_reduces(self, reduces: list[tuple[Unit, dist.Work, torch.Tensor]]) -> None:
+    def discard_reduces(self, reduces: list[PendingReduce]) -> None:
         """A failed pass's reduces: let them land (their buffers are in use until then)
-        and drop them."""
-        for _, work, _ in reduces:
-            work.wait()
+        and drop them.
+
+        Every rank issued the same first stages; the second stages a replica started
+        depended on timing, so all of them are started first: otherwise a replica would
+        wait for a reduce the other never issues.
+        """
+        self.start_second_stages(reduces, wait=True)
+        for pending in reduces:
+            pending.wait()
 
     # ---- step protocol -------------------------------------------------------------------------
     def owned_grads(self) -> list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]]:
@@ -287,6 +305,28 @@ class Dedication:
             patches.unmark_dedicated(module)
         for group in self.process_groups():
             dist.destroy_process_group(group)
+
+
+@dataclass
+class PendingReduce:
+    """A unit's gradient bucket on its way to the primary owner.
+
+    Attributes:
+        unit: Whose gradients.
+        bucket: The packed gradients (and has-gradient flags), reduced in place.
+        to_column: Stage 1, inside the shard group.
+        to_primary: Stage 2 under HSDP, across replicas, once started (column ranks only).
+    """
+
+    unit: Unit
+    bucket: torch.Tensor
+    to_column: dist.Work
+    to_primary: dist.Work | None = None
+
+    def wait(self) -> None:
+        self.to_column.wait()
+        if self.to_primary is not None:
+            self.to_primary.wait()
 
 
 def _mixed_precision_of(model: nn.Module, boundary_name: str) -> tuple:

@@ -95,7 +95,7 @@ class HookDriver:
         self._gathers: dict[int, list[dist.Work]] = {}
         # Z3: the boundary forward left gathered for backward (the last one), if any.
         self._kept: int | None = None
-        self._reduces: list[tuple[object, dist.Work, torch.Tensor]] = []
+        self._reduces: list = []  # PendingReduce, in issue order
         self.forward_gathers = _Sequence(forward_order, self._issue_gather)
         self.backward_gathers = _Sequence(backward_order, self._issue_gather)
         self.reduce_sequence = _Sequence(backward_order, self._issue_reduce)
@@ -164,8 +164,8 @@ class HookDriver:
     def _issue_reduce(self, b: int) -> None:
         with record_function(f"dmuon::reduce b{b}"):
             for unit in self.d.boundary_units[b]:
-                work, bucket = self.d.reduce_to_column(unit)
-                self._reduces.append((unit, work, bucket))
+                self._reduces.append(self.d.reduce_to_column(unit))
+            self.d.start_second_stages(self._reduces, wait=False)
 
     def _free_boundary(self, b: int) -> None:
         if b == self._kept:
