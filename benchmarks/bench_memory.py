@@ -29,8 +29,9 @@ runs of every mode that tell retained free memory from memory in use: ``arena2``
 so large blocks are mmapped and unmapped on free), ``trim`` (the worker thread calls
 ``malloc_trim(0)`` before each sample) and ``fr0`` (``--comm.trace_buf_size 0``: without
 the c10d flight recorder that TorchTitan turns on, whose entries live for 20000
-collectives). It prints a table and writes ``results.json`` and ``memory.png`` into
-``--out``.
+collectives; on CPU the CPU layer already turns it off at TorchTitan's default size, so
+there ``fr0`` differs from the default run only when ``--comm.trace_buf_size`` is
+passed). It prints a table and writes ``results.json`` and ``memory.png`` into ``--out``.
 """
 
 from __future__ import annotations

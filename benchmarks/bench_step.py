@@ -398,13 +398,14 @@ def _summarize_breakdown(per_rank: list[dict[str, float]]) -> dict:
     """The per-rank phases, and the optimizer step of the slowest rank against its floor:
     the busiest rank's Newton-Schulz plus AdamW time (same profiled steps)."""
     floors = [b["newton_schulz"] + b["adamw"] for b in per_rank]
+    floor = max(floors)
     optimizer = max(b["optimizer"] for b in per_rank)
     return {
         "per_rank_ms": per_rank,
         "optimizer_ms": optimizer,
-        "floor_ms": max(floors),
-        "busiest_rank": floors.index(max(floors)),
-        "ratio_to_floor": optimizer / max(floors) if max(floors) > 0 else None,
+        "floor_ms": floor,
+        "busiest_rank": floors.index(floor),
+        "ratio_to_floor": optimizer / floor if floor > 0 else None,
     }
 
 
@@ -562,7 +563,7 @@ def plot(summary: dict, path: Path) -> None:
     ax.tick_params(axis="x", rotation=20)
     if broken_down:
         ax = axes[0][1]
-        labels, bottoms = [], []
+        labels = []
         for mode in broken_down:
             for rank in range(len(rows[mode]["step_breakdown"]["per_rank_ms"])):
                 labels.append(f"{mode}\nr{rank}")
