@@ -5,7 +5,7 @@
 runs ``./run_train.sh`` (the default config, train_configs/debug_cpu.toml, unless
 overridden) once per mode: ``adamw`` (``--optimizer.name AdamW``, same train spec),
 ``dmuon_z3`` (the config as is) and, if asked, ``dmuon_z2``
-(``--dmuon.no-reshard_after_forward``). Any argument this script does not know is passed
+(``--dmuon.reshard_after_forward False``). Any argument this script does not know is passed
 to ``run_train.sh`` as a TorchTitan override.
 
 While a run trains, every ``--interval`` seconds it reads the resident set (``VmRSS`` of
@@ -54,7 +54,7 @@ STEP = re.compile(r"step:\s*(\d+)\s+loss:")
 MODES = {
     "adamw": ["--optimizer.name", "AdamW"],
     "dmuon_z3": [],
-    "dmuon_z2": ["--dmuon.no-reshard_after_forward"],
+    "dmuon_z2": ["--dmuon.reshard_after_forward", "False"],
 }
 # name: (environment, TorchTitan overrides) of a diagnostic run.
 DIAGNOSTICS = {

@@ -24,9 +24,9 @@ TPS = re.compile(r"step:\s*(\d+)\s+loss:\s*(\S+).*?tps:\s*([\d,]+)")
 MODES = {
     "adamw": ["--optimizer.name", "AdamW"],
     "dmuon_z3": ["--dmuon.ns_backend", "torch"],
-    "dmuon_z2": ["--dmuon.no-reshard_after_forward", "--dmuon.ns_backend", "torch"],
+    "dmuon_z2": ["--dmuon.reshard_after_forward", "False", "--dmuon.ns_backend", "torch"],
     "dmuon_z3_auto": ["--dmuon.ns_backend", "auto"],
-    "dmuon_z2_auto": ["--dmuon.no-reshard_after_forward", "--dmuon.ns_backend", "auto"],
+    "dmuon_z2_auto": ["--dmuon.reshard_after_forward", "False", "--dmuon.ns_backend", "auto"],
 }
 
 

@@ -391,7 +391,7 @@ def test_deepseek_v3_trains_with_dmuon(tmp_path):
     stacks of 8 routed experts), Z3 and Z2 give identical losses, and the loss falls."""
     z3, z2 = run_case(
         OverrideDefinitions(
-            [SHORT, [*SHORT, "--dmuon.no-reshard_after_forward"]],
+            [SHORT, [*SHORT, "--dmuon.reshard_after_forward", "False"]],
             "deepseek_v3 debug MoE with DMuon, Z3 and Z2",
             "deepseek_v3",
             config_file="train_configs/deepseek_v3_debug_moe.toml",

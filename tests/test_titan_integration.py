@@ -83,7 +83,7 @@ HSDP = ["--parallelism.data_parallel_replicate_degree", "2"]
 
 CASES = {
     "fsdp_z3_z2": OverrideDefinitions(
-        [SHORT, [*SHORT, "--dmuon.no-reshard_after_forward"]],
+        [SHORT, [*SHORT, "--dmuon.reshard_after_forward", "False"]],
         "FSDP-Z3 and FSDP-Z2: bit-identical losses",
         "fsdp_z3_z2",
     ),

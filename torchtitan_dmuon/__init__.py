@@ -10,6 +10,7 @@ dedication, communication, hooks; no TorchTitan), ``optimizer`` (the ``Muon`` cl
 """
 
 from torchtitan_dmuon.engine import (
+    attach_pipeline_stage,
     clip_grad_norm_,
     dedicate_params,
     get_dedication,
@@ -24,6 +25,7 @@ _install_patches()
 
 __all__ = [
     "Muon",
+    "attach_pipeline_stage",
     "clip_grad_norm_",
     "dedicate_params",
     "get_dedication",

@@ -10,7 +10,8 @@ Layers, one file each (none imports TorchTitan):
 * ``comm.py``: the collectives, on the engine's own process groups, counted;
 * ``dedication.py``: the runtime that composes them; ``api.py``: ``dedicate_params``;
 * ``settings.py``: one settings object per dedication; ``patches.py``: the FSDP2 patch;
-* ``grad_norm.py``: gradient clipping over dedicated and FSDP parameters.
+* ``grad_norm.py``: gradient clipping over dedicated and FSDP parameters;
+* ``pipeline.py``: pipeline stages (``torch.distributed.pipelining``) over dedicated parts.
 """
 
 from torchtitan_dmuon.engine.api import (
@@ -22,11 +23,13 @@ from torchtitan_dmuon.engine.api import (
 )
 from torchtitan_dmuon.engine.dedication import Dedication, get_dedication
 from torchtitan_dmuon.engine.grad_norm import clip_grad_norm_
+from torchtitan_dmuon.engine.pipeline import attach_pipeline_stage
 from torchtitan_dmuon.engine.settings import DedicationSettings
 
 __all__ = [
     "Dedication",
     "DedicationSettings",
+    "attach_pipeline_stage",
     "clip_grad_norm_",
     "dedicate_params",
     "get_dedication",

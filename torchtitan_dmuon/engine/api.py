@@ -122,37 +122,58 @@ def _ancestors(name: str) -> list[str]:
 
 
 def verify_plan(dedication: Dedication) -> None:
-    """Check with one small all-gather that every rank holds the same plan and sits where
-    the (replicate, shard) layout says.
+    """Check that every data-parallel rank holds the same plan and sits where the
+    (replicate, shard) layout says: one small all-gather over the shard group, one over
+    the replicate group (HSDP).
 
-    Every rank sees every rank's answer and raises alike, so a mismatch cannot reach a
-    later collective.
+    Both gathers run before anything is judged, and the second carries each shard
+    group's verdict, so every rank of the data-parallel groups raises alike and a
+    mismatch cannot reach a later collective. Ranks outside them (other pipeline stages)
+    are not involved: a stage's plan is its own.
     """
-    world = dist.get_world_size()
     device = torch.device("cpu")
     if dedication.mesh.device_type != "cpu":
         device = torch.device(dedication.mesh.device_type, torch.accelerator.current_device_index())
     fingerprint = dedication.plan.fingerprint(dedication.settings.reshard_after_forward)
-    mine = torch.tensor(
-        [fingerprint, dedication.replicate_rank, dedication.shard_rank],
-        dtype=torch.int64,
-        device=device,
-    )
-    everyone = [torch.zeros_like(mine) for _ in range(world)]
-    dist.all_gather(everyone, mine)
-    table = [[int(x) for x in t.tolist()] for t in everyone]
+    mine = [fingerprint, dedication.replicate_rank, dedication.shard_rank]
+    shard_table = _all_gather_rows(mine, dedication.shard_group, device)
+    error = _layout_error(shard_table, "shard")
+    if dedication.replicas is not None:
+        rows = _all_gather_rows(mine + [error is None], dedication.replicas.group, device)
+        error = error or _layout_error([row[:3] for row in rows], "replicate")
+        if error is None and not all(row[3] for row in rows):
+            error = RuntimeError(
+                "the ranks of another replica's shard group disagree about the dedication "
+                "plan or layout (see the error on those ranks)"
+            )
+    if error is not None:
+        raise error
+
+
+def _all_gather_rows(row: list[int], group: dist.ProcessGroup, device) -> list[list[int]]:
+    mine = torch.tensor(row, dtype=torch.int64, device=device)
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, mine, group=group)
+    return [[int(x) for x in t.tolist()] for t in everyone]
+
+
+def _layout_error(table: list[list[int]], dim: str) -> Exception | None:
+    """What is wrong with the rows ``(fingerprint, replicate rank, shard rank)`` gathered
+    over one group, if anything."""
     fingerprints = [row[0] for row in table]
     if len(set(fingerprints)) != 1:
-        raise RuntimeError(
+        return RuntimeError(
             "ranks disagree about the dedication plan (different model, predicate, "
-            f"hook boundaries or mesh per rank); plan fingerprints by rank: {fingerprints}"
+            f"hook boundaries or mesh per rank); plan fingerprints by {dim}-group rank: "
+            f"{fingerprints}"
         )
-    coordinates = [(row[1], row[2]) for row in table]
-    if len(set(coordinates)) != world:
-        raise ValueError(
+    own, other = (2, 1) if dim == "shard" else (1, 2)
+    if len({row[own] for row in table}) != len(table) or len({row[other] for row in table}) != 1:
+        return ValueError(
             "replicate_mesh does not line up with mesh: the (replicate, shard) "
-            f"coordinates of the ranks are not all distinct: {coordinates}"
+            f"coordinates of the {dim} group's ranks are {[(row[1], row[2]) for row in table]}"
         )
+    return None
 
 
 def _validate_meshes(mesh: DeviceMesh, replicate_mesh: DeviceMesh | None) -> None:
@@ -168,24 +189,18 @@ def _validate_meshes(mesh: DeviceMesh, replicate_mesh: DeviceMesh | None) -> Non
                 f"{arg} must be 1-D, got a {m.ndim}-D mesh; for HSDP pass hsdp['shard'] as "
                 "mesh and hsdp['replicate'] as replicate_mesh"
             )
-    world = dist.get_world_size()
+    # The meshes need not span the world: under pipeline parallelism they are the
+    # data-parallel ranks of one stage.
     if replicate_mesh is None:
-        if mesh.size() != world:
-            raise ValueError(
-                f"mesh has {mesh.size()} ranks but the process group has {world}; without "
-                "replicate_mesh a 1-D mesh must span every rank"
-            )
         return
     shard_ranks = set(mesh.mesh.flatten().tolist())
     replicate_ranks = set(replicate_mesh.mesh.flatten().tolist())
-    if mesh.size() * replicate_mesh.size() != world or shard_ranks & replicate_ranks != {
-        dist.get_rank()
-    }:
+    if shard_ranks & replicate_ranks != {dist.get_rank()}:
         raise ValueError(
             "replicate_mesh does not line up with mesh: expected the shard group "
             f"({sorted(shard_ranks)}) and the replicate group ({sorted(replicate_ranks)}) "
-            f"to meet in this rank only and to multiply to the world size ({world}); use "
-            "hsdp['shard'] and hsdp['replicate'] of one 2-D mesh"
+            "to meet in this rank only; use hsdp['shard'] and hsdp['replicate'] of one "
+            "2-D mesh"
         )
 
 

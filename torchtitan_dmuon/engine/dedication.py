@@ -52,6 +52,9 @@ class Dedication:
         replicas: HSDP's replicate layer, or None.
         stats: Bytes and calls of the engine's collectives on this rank.
         requires_gradient_sync: False skips the reduces (gradient accumulation).
+        reshard_after_backward: False keeps the gathered values after a backward without
+            sync, until the reduce (a pipeline stage's micro-batches: one gather per
+            step under Z2).
         synced_backwards: Backwards that reduced gradients since the last step.
     """
 
@@ -96,6 +99,7 @@ class Dedication:
             self.replicas = Replicas(group, replicate_rank, replicate_mesh.size(), self.stats)
         self.others: OtherParams | None = None
         self.requires_gradient_sync = True
+        self.reshard_after_backward = True
         self.synced_backwards = 0
         self.initialized = False
         for d in plan.params:
@@ -120,6 +124,11 @@ class Dedication:
         groups = [self.shard_group, self.reduce_group]
         return groups + ([self.replicas.group] if self.replicas is not None else [])
 
+    def data_parallel_groups(self) -> list[dist.ProcessGroup]:
+        """Groups whose successive SUM all-reduces sum over every data-parallel rank: the
+        reduce group, then the replicate group under HSDP (both idle outside backward)."""
+        return [self.reduce_group] + ([self.replicas.group] if self.replicas is not None else [])
+
     # ---- binding -----------------------------------------------------------------------
     def bind_params(self) -> None:
         """Point the plan at the model's current parameter objects, found by name
@@ -143,7 +152,7 @@ class Dedication:
             for unit in units:
                 unit.bind(param_dtype, reduce_dtype)
         names = {d.name for d in self.plan.params}
-        self.others = OtherParams(self.model, names, dist.get_world_size())
+        self.others = OtherParams(self.model, names, self.data_parallel_groups())
         self.others.broadcast_from_rank0(self.model)
         if self.replicas is not None:
             self.replicas.broadcast(self.units, async_op=False)
@@ -198,6 +207,22 @@ class Dedication:
                 pending.unit.accumulate_grads(pending.bucket, divide)
         self.others.sync_grads(self.settings, self.stats)
         self.synced_backwards += 1
+
+    def reduce_grads(self) -> None:
+        """Reduce to their owners, now, the gradients that backwards without sync
+        (``requires_gradient_sync`` off) accumulated, and free the gathered values: what
+        the end of a synced backward does. For pipeline schedules, which run a stage's
+        backward piecewise (per micro-batch, input and weight passes apart) and reduce
+        once after the last piece. Every data-parallel rank calls it."""
+        self.driver.reduce_accumulated()
+
+    @torch.no_grad()
+    def divide_owned_grads(self, factor: float) -> None:
+        """Divide the reduced gradients this rank holds (a schedule's gradient scaling,
+        which ``p.grad`` alone would not reach)."""
+        for unit in self.units:
+            if unit.grad is not None:
+                unit.grad.div_(factor)
 
     def discard_reduces(self, reduces: list[PendingReduce]) -> None:
         """A failed pass's reduces: let them land (their buffers are in use until then)
@@ -260,6 +285,7 @@ class Dedication:
                 unit.masters_to_flat()
             if self.replicas is not None:
                 self.replicas.broadcast(self.units, async_op=self.settings.replicate_async)
+        self.driver.free_all()  # whatever a rank outside the owner column holds is stale now
         self.synced_backwards = 0
 
     @torch.no_grad()
@@ -268,6 +294,7 @@ class Dedication:
         compute-dtype values and, under HSDP, send them to the other replicas."""
         if not self.initialized:
             return
+        self.driver.free_all()
         for unit in self.units:
             unit.masters_to_flat()
         if self.replicas is not None:

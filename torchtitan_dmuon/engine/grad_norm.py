@@ -26,10 +26,25 @@ def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Te
 
 
 @torch.no_grad()
-def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """Clip the gradients of ``model`` to a global ``norm_type``-norm of ``max_norm``.
+def clip_grad_norm_(
+    model: nn.Module | list[nn.Module],
+    max_norm: float,
+    norm_type: float = 2.0,
+    pp_group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """Clip the gradients of ``model`` (or of every model part of this rank) to a global
+    ``norm_type``-norm of ``max_norm``.
 
-    A collective when ``model`` was prepared by ``dedicate_params``: call it on every rank.
+    A collective when the model was prepared by ``dedicate_params`` or ``pp_group`` is
+    given: call it on every rank.
+
+    Args:
+        model: The model, or this rank's pipeline model parts (all dedicated over the
+            same data-parallel ranks, or none of them).
+        max_norm: The largest global norm.
+        norm_type: Only 2.0.
+        pp_group: Under pipeline parallelism the group over the stages, whose norms add
+            up to the global one.
 
     Returns:
         The total norm before clipping (a plain tensor, equal on every rank; not finite
@@ -37,15 +52,16 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     """
     if norm_type != 2.0:
         raise ValueError(f"norm_type: only the 2-norm is supported, got {norm_type}")
-    dedication = get_dedication(model)
-    owned = [grad for _, _, grad in dedication.owned_grads()] if dedication is not None else []
+    parts = [model] if isinstance(model, nn.Module) else list(model)
+    dedications = [d for d in map(get_dedication, parts) if d is not None]
+    owned = [grad for d in dedications for _, _, grad in d.owned_grads()]
     sharded, replicated = [], []
-    for p in model.parameters():
+    for p in (p for part in parts for p in part.parameters()):
         if p.grad is None:
             continue
         (sharded if isinstance(p.grad, DTensor) else replicated).append(p.grad)
 
-    p0 = next(model.parameters())
+    p0 = next(parts[0].parameters())
     device = p0.to_local().device if isinstance(p0, DTensor) else p0.device
     total_sq = _sum_of_squares(replicated, device)
     by_mesh: dict[object, list[DTensor]] = {}
@@ -55,10 +71,14 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
         # DTensor norms are partial over the shard dims: one reduction per mesh.
         norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
         total_sq = total_sq + norm.full_tensor().float().pow(2)
-    if dedication is not None:
+    if dedications:
+        # Each dedicated matrix's gradient is on one rank of the data-parallel groups.
         owned_sq = _sum_of_squares(owned, device)
-        dist.all_reduce(owned_sq, op=dist.ReduceOp.SUM)
+        for group in dedications[0].data_parallel_groups():
+            dist.all_reduce(owned_sq, op=dist.ReduceOp.SUM, group=group)
         total_sq = total_sq + owned_sq
+    if pp_group is not None:
+        dist.all_reduce(total_sq, op=dist.ReduceOp.SUM, group=pp_group)
     total = total_sq.sqrt()
     coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)
     grads = owned + [g.to_local() for g in sharded] + replicated

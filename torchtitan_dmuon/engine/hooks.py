@@ -93,8 +93,11 @@ class HookDriver:
         backward_order = forward_order[::-1]
         self.state = TrainingState.IDLE
         self._gathers: dict[int, list[dist.Work]] = {}
-        # Z3: the boundary forward left gathered for backward (the last one), if any.
-        self._kept: int | None = None
+        # Boundaries whose values are here and current (gathered, not freed since): a
+        # gather of one of them sends nothing. Z3 keeps the last boundary after forward
+        # (backward needs it first); a pipeline stage keeps all of them between its
+        # micro-batches (``reshard_after_backward`` off).
+        self._resident: set[int] = set()
         self._reduces: list = []  # PendingReduce, in issue order
         self.forward_gathers = _Sequence(forward_order, self._issue_gather)
         self.backward_gathers = _Sequence(backward_order, self._issue_gather)
@@ -148,9 +151,9 @@ class HookDriver:
 
     # ---- collectives ---------------------------------------------------------------------
     def _issue_gather(self, b: int) -> None:
-        if b == self._kept:  # still holds the values forward used: nothing to send
-            self._kept = None
+        if b in self._resident:
             return
+        self._resident.add(b)
         with record_function(f"dmuon::gather b{b}"):
             self._gathers[b] = [self.d.gather(u) for u in self.d.boundary_units[b]]
 
@@ -165,13 +168,19 @@ class HookDriver:
         with record_function(f"dmuon::reduce b{b}"):
             for unit in self.d.boundary_units[b]:
                 self._reduces.append(self.d.reduce_to_column(unit))
+            self._resident.discard(b)  # reduce_to_column freed the values
             self.d.start_second_stages(self._reduces, wait=False)
 
     def _free_boundary(self, b: int) -> None:
-        if b == self._kept:
-            self._kept = None
+        self._resident.discard(b)
         for unit in self.d.boundary_units[b]:
             unit.free()
+
+    def free_all(self) -> None:
+        """Free every boundary's values outside the owner columns: after a step or a
+        load changed the values, whatever a rank still holds is stale."""
+        for b in range(len(self._expected)):
+            self._free_boundary(b)
 
     def _prefetch(self, sequence: _Sequence) -> None:
         """Start gathering the next boundary in ``sequence`` now, unless its values are
@@ -192,14 +201,18 @@ class HookDriver:
         self.d.lazy_init()
         self.state = TrainingState.FORWARD
         self.forward_gathers.reset()
-        self._kept = None
         return None
 
     def _root_post_forward(self, module: nn.Module, args, kwargs, output):
         self.forward_gathers.finish()
         for b in list(self._gathers):
             self._wait_gather(b)
-            if not torch.is_grad_enabled():
+        # Which values stay must not depend on the blocks this rank ran (a skipped one
+        # missed its post-forward), or the next gathers would differ between ranks.
+        if not torch.is_grad_enabled():
+            self.free_all()
+        elif self.d.settings.reshard_after_forward:
+            for b in range(len(self._expected) - 1):
                 self._free_boundary(b)
         if torch.is_grad_enabled():
             self.state = TrainingState.AWAITING_BACKWARD
@@ -231,12 +244,10 @@ class HookDriver:
                 return None
             if not torch.is_grad_enabled():
                 self._free_boundary(b)
-            elif self.d.settings.reshard_after_forward:
-                # The same boundary on every rank, so the backward gather sequences agree.
-                if b == len(self._expected) - 1:
-                    self._kept = b
-                else:
-                    self._free_boundary(b)
+            elif self.d.settings.reshard_after_forward and b != len(self._expected) - 1:
+                # The last boundary stays (on every rank alike, so the backward gather
+                # sequences agree): backward needs it first.
+                self._free_boundary(b)
             self._register_pre_backward(output, lambda grad: self._pre_backward(b))
             return None
 
@@ -294,9 +305,25 @@ class HookDriver:
             reduces, self._reduces = self._reduces, []
             with record_function("dmuon::finish_reduces"):
                 self.d.finish_reduces(reduces)
-        for b in range(len(self._expected)):
-            self._free_boundary(b)
+        if self.d.reshard_after_backward:
+            self.free_all()
         self.state = TrainingState.IDLE
+
+    def reduce_accumulated(self) -> None:
+        """Reduce the gradients accumulated in ``p.grad`` by backwards that did not sync,
+        now, as the end of a synced backward would, then free the values (see
+        :meth:`Dedication.reduce_grads`)."""
+        if self.state in (TrainingState.FORWARD, TrainingState.BACKWARD):
+            raise RuntimeError(
+                f"reduce_grads was called inside a {self.state.name.lower()} pass; call it "
+                "after the last backward of the step"
+            )
+        self.reduce_sequence.reset()
+        self.reduce_sequence.finish()
+        reduces, self._reduces = self._reduces, []
+        with record_function("dmuon::finish_reduces"):
+            self.d.finish_reduces(reduces)
+        self.free_all()
 
     # ---- failure -------------------------------------------------------------------------
     def reset_iter_state(self) -> None:
@@ -314,6 +341,5 @@ class HookDriver:
             self._wait_gather(b)
         reduces, self._reduces = self._reduces, []
         self.d.discard_reduces(reduces)
-        for b in range(len(self._expected)):
-            self._free_boundary(b)
+        self.free_all()
         self.state = TrainingState.IDLE

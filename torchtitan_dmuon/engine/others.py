@@ -2,14 +2,17 @@
 
 With no ``fully_shard`` at all (DDP-style) or a partial one, some trainable parameters
 that are not dedicated are plain tensors that nothing else keeps in sync. The engine starts
-them from rank 0's values (as DDP does) and all-reduces their gradients at the end of each
-reduced backward, in one bucket.
+them from the first data-parallel rank's values (as DDP does) and all-reduces their
+gradients at the end of each reduced backward, in one bucket, over the data-parallel groups
+(the shard group, then the replicate group under HSDP): never over ranks of other pipeline
+stages.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import math
 
 import torch
 import torch.distributed as dist
@@ -40,11 +43,15 @@ class OtherParams:
     """The non-dedicated trainable parameters left to the engine.
 
     Attributes:
-        params: Trainable, not dedicated, not FSDP-managed (plain tensors); empty when the
-            job has one rank.
+        params: Trainable, not dedicated, not FSDP-managed (plain tensors); empty when
+            there is one data-parallel rank.
     """
 
-    def __init__(self, model: nn.Module, dedicated_names: set[str], world_size: int) -> None:
+    def __init__(
+        self, model: nn.Module, dedicated_names: set[str], groups: list[dist.ProcessGroup]
+    ) -> None:
+        self._groups = groups
+        self._ranks = math.prod(dist.get_world_size(g) for g in groups)
         covered = _fsdp_covered_modules(model)
         named = [
             (name, p)
@@ -53,7 +60,7 @@ class OtherParams:
             and name not in dedicated_names
             and model.get_submodule(name.rpartition(".")[0]) not in covered
         ]
-        if world_size == 1:
+        if self._ranks == 1:
             named = []
         self.params: list[nn.Parameter] = [p for _, p in named]
         self._fsdp_anywhere = bool(covered)
@@ -67,13 +74,17 @@ class OtherParams:
 
     @torch.no_grad()
     def broadcast_from_rank0(self, model: nn.Module) -> None:
-        """Start every replica from rank 0's values, as DDP does (with no FSDP at all,
-        the buffers too)."""
-        for p in self.params:
-            dist.broadcast(p.data, src=0)
-        if not self._fsdp_anywhere and self.params:
-            for b in model.buffers():
-                dist.broadcast(b.data, src=0)
+        """Start every replica from the values of the first data-parallel rank, as DDP
+        does (with no FSDP at all, the buffers too): from shard rank 0 inside each shard
+        group, then from replicate rank 0 across replicas."""
+        if not self.params:
+            return
+        tensors = [p.data for p in self.params]
+        if not self._fsdp_anywhere:
+            tensors += [b.data for b in model.buffers()]
+        for group in self._groups:
+            for tensor in tensors:
+                dist.broadcast(tensor, group=group, group_src=0)
 
     @torch.no_grad()
     def sync_grads(self, settings: DedicationSettings, stats: comm.CommStats) -> None:
@@ -89,8 +100,9 @@ class OtherParams:
         dtype = functools.reduce(torch.promote_types, (p.dtype for p in self.params))
         bucket = flagged_grad_bucket(self.params, dtype, self.params[0].device)
         numel = bucket.numel() - len(self.params)
-        comm.all_reduce_sum(bucket, None, stats).wait()
-        bucket[:numel].div_(settings.divide_factor(dist.get_world_size()))
+        for group in self._groups:
+            comm.all_reduce_sum(bucket, group, stats).wait()
+        bucket[:numel].div_(settings.divide_factor(self._ranks))
         offset = 0
         for p, has_grad in zip(self.params, bucket[numel:].tolist(), strict=True):
             mean = bucket[offset : offset + p.numel()].view_as(p)

@@ -1,7 +1,8 @@
 """The TorchTitan adapter: thin glue between TorchTitan 0.2.2 and the ownership engine.
 
 * ``config.py``: the ``[dmuon]`` TOML section;
-* ``parallelize.py``: runs ``dedicate_params`` right before TorchTitan's FSDP;
+* ``parallelize.py``: runs ``dedicate_params`` right before TorchTitan's FSDP, and lets
+  pipeline stages drive their parts' dedications;
 * ``optimizer.py``: the optimizer container and builder;
 * ``checkpoint.py``: topology-independent model state for DCP;
 * ``cpu.py``: the CPU (gloo) layer;
@@ -57,16 +58,18 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    from torchtitan_dmuon.titan.parallelize import with_dedication
+    from torchtitan_dmuon.titan.parallelize import with_dedication, with_pipeline_stages
 
     enable_cpu_support()
     for name in MODELS:
         spec = get_train_spec(name)
+        pipelining_fn = spec.pipelining_fn
         register_train_spec(
             name,
             dataclasses.replace(
                 spec,
                 parallelize_fn=with_dedication(spec.parallelize_fn),
+                pipelining_fn=with_pipeline_stages(pipelining_fn) if pipelining_fn else None,
                 build_optimizers_fn=_wrap_optimizer_builder(spec.build_optimizers_fn),
             ),
         )

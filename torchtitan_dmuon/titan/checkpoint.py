@@ -39,6 +39,8 @@ __all__ = ["DMuonModelWrapper", "LRSchedulersWrapper"]
 def _dedicated(model: nn.Module):
     """``(fqns of all dedicated matrices, {fqn: master} of those this rank owns)``."""
     dedication = get_dedication(model)
+    if dedication is None:  # one data-parallel rank: every value is here, in place
+        return set(), {}
     fqns = {id(p): clean_fqn(n) for n, p in model.named_parameters()}
     every = {clean_fqn(d.name) for unit in dedication.units for d in unit.params}
     owned = {fqns[id(param)]: master for param, master in dedication.primary_params()}
@@ -67,7 +69,8 @@ class DMuonModelWrapper(ModelWrapper):
                 loaded = state_dict[fqn]
                 if loaded is not master:  # DCP loads in place; a plain dict is copied
                     master.copy_(loaded)
-            get_dedication(model).refresh_from_masters()
+            if get_dedication(model) is not None:
+                get_dedication(model).refresh_from_masters()
             rest = {k: v for k, v in state_dict.items() if k not in every}
             set_model_state_dict(model, rest, options=StateDictOptions(strict=False))
 

@@ -39,9 +39,12 @@ class DMuon:
     ["layers.*.moe", "layers.*.moe.experts"] to align with MoE and expert modules. Empty:
     the blocks only (as fully_shard)."""
 
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool | None = None
     """True: Z3 (free non-owned matrices after forward, broadcast again before backward).
-    False: Z2 (keep them until after backward: one broadcast per block per step less)."""
+    False: Z2 (keep them until after backward: one broadcast per block per step less).
+    None (the default): follow parallelism.fsdp_reshard_after_forward as FSDP2 does:
+    "always" is Z3, "never" Z2, "default" Z3 without pipeline parallelism and Z2 with it
+    (a stage then keeps its matrices over all its micro-batches: one broadcast per step)."""
 
     replicate_async: bool = False
     """HSDP only: broadcast new values across replicas asynchronously after the step, hidden

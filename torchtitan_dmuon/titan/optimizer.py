@@ -1,7 +1,9 @@
 """The optimizer side of the TorchTitan adapter: a container of ``torchtitan_dmuon.Muon``.
 
-One ``Muon`` per model part, inside TorchTitan's ``OptimizersContainer`` (so LR schedulers,
-step hooks such as MoE load balancing and float8 scale precomputation keep working).
+One ``Muon`` per model part (pipeline stages), inside TorchTitan's ``OptimizersContainer``
+(so LR schedulers, step hooks such as MoE load balancing and float8 scale precomputation
+keep working). A part with one data-parallel rank has no dedication: its ``Muon`` steps
+every selected matrix in place.
 
 Its state dict is topology-independent: keys are ``state.<param fqn>.<key>`` with wrapper
 prefixes removed. An FSDP parameter's AdamW moments are DTensors (DCP reshards them); a
@@ -17,12 +19,13 @@ import numbers
 import time
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torchtitan.components.optimizer import OptimizersContainer
 
 from torchtitan_dmuon.engine import clip_grad_norm_, get_dedication
 from torchtitan_dmuon.optimizer import Muon
-from torchtitan_dmuon.titan.parallelize import clean_fqn, dmuon_settings
+from torchtitan_dmuon.titan.parallelize import clean_fqn, dmuon_settings, muon_predicate
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +51,9 @@ def _muon_kwargs(model: nn.Module, optimizer_config) -> dict:
         # [optimizer] implementation, mapped as TorchTitan maps it for its own AdamW.
         adamw_foreach=optimizer_config.implementation == "foreach",
         adamw_fused=optimizer_config.implementation == "fused",
-        replicate_async=settings.replicate_async,
+        replicate_async=settings.replicate_async and get_dedication(model) is not None,
+        # One data-parallel rank (no dedication): the [dmuon] patterns select in place.
+        predicate=None if get_dedication(model) is not None else muon_predicate(settings),
     )
 
 
@@ -82,13 +87,16 @@ class DMuonOptimizersContainer(OptimizersContainer):
         all_params = [p for opt in self.optimizers for g in opt.param_groups for p in g["params"]]
         self._post_init(all_params, {"lr": optimizer_config.lr})
 
-    def clip_grad_norm_(self, max_norm: float, step: int) -> torch.Tensor:
+    def clip_grad_norm_(
+        self, max_norm: float, step: int, pp_group: dist.ProcessGroup | None = None
+    ) -> torch.Tensor:
         """Clip the gradients to a global 2-norm of ``max_norm``; on a non-finite norm, do
         what ``[dmuon] nonfinite_grad_norm`` says. A collective: call it on every rank.
 
         Args:
             max_norm: The largest global gradient norm (``[training] max_norm``).
             step: The training step, for the messages.
+            pp_group: Under pipeline parallelism, the group over the stages.
 
         Returns:
             The global gradient norm before clipping, equal on every rank.
@@ -96,10 +104,8 @@ class DMuonOptimizersContainer(OptimizersContainer):
         Raises:
             RuntimeError: The norm is not finite and the option is ``"stop"``.
         """
-        # DMuon refuses pipeline parallelism, so there is exactly one model part.
-        (model,) = self.model_parts
-        norm = clip_grad_norm_(model, max_norm)
-        policy = dmuon_settings(model).nonfinite_grad_norm
+        norm = clip_grad_norm_(self.model_parts, max_norm, pp_group=pp_group)
+        policy = dmuon_settings(self.model_parts[0]).nonfinite_grad_norm
         if policy == "continue" or torch.isfinite(norm).item():
             return norm
         if policy == "stop":
@@ -155,7 +161,11 @@ class DMuonOptimizersContainer(OptimizersContainer):
         for model, optimizer in zip(self.model_parts, self.optimizers, strict=True):
             fqns = {id(p): clean_fqn(n) for n, p in model.named_parameters()}
             dedication = get_dedication(model)
-            for key, master in dedication.primary_params():
+            if dedication is not None:
+                owned = dedication.primary_params()
+            else:
+                owned = [(p, p) for p in optimizer.param_groups[0]["params"]]
+            for key, master in owned:
                 state = optimizer.state[key]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(master)

@@ -5,8 +5,12 @@ then FSDP/HSDP (``apply_fsdp``) or DDP (``apply_ddp``). :func:`with_dedication` 
 so that, when ``[optimizer] name = "DMuon"``, the wrapped function's own ``apply_fsdp``
 first dedicates the selected matrices on the FSDP mesh (HSDP: its ``fsdp`` dim as shard
 mesh and ``dp_replicate`` as replicate mesh), and ``apply_ddp`` is replaced by DMuon's
-DDP-style synchronization. The names are swapped in the function's module only for the
-duration of the call. Everything else is TorchTitan's code, unchanged.
+DDP-style synchronization. With one data-parallel rank neither runs: the part gets plain
+Muon + AdamW, with no collective of the engine. :func:`with_pipeline_stages` wraps a
+pipelining function (TorchTitan's ``pipeline_llm`` calls the parallelize function once
+per model part) so that each stage drives its part's dedication. The names are swapped
+in the function's module only for the duration of the call. Everything else is
+TorchTitan's code, unchanged.
 """
 
 from __future__ import annotations
@@ -20,11 +24,18 @@ from collections.abc import Callable
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from torchtitan_dmuon.engine import dedicate_params
+from torchtitan_dmuon.engine import attach_pipeline_stage, dedicate_params
 from torchtitan_dmuon.engine.plan import default_boundary_modules
 from torchtitan_dmuon.titan.config import DMuon
 
-__all__ = ["DMUON", "clean_fqn", "dmuon_settings", "with_dedication"]
+__all__ = [
+    "DMUON",
+    "clean_fqn",
+    "dmuon_settings",
+    "muon_predicate",
+    "with_dedication",
+    "with_pipeline_stages",
+]
 
 DMUON = "DMuon"
 """The ``[optimizer] name`` that turns DMuon on."""
@@ -55,7 +66,6 @@ def clean_fqn(name: str) -> str:
 
 def _unsupported(parallel_dims) -> list[str]:
     checks = {
-        "pipeline parallel (parallelism.pipeline_parallel_degree)": parallel_dims.pp_enabled,
         "tensor parallel (parallelism.tensor_parallel_degree)": parallel_dims.tp_enabled,
         "context parallel (parallelism.context_parallel_degree)": parallel_dims.cp_enabled,
         "expert parallel (parallelism.expert_parallel_degree)": parallel_dims.ep_enabled,
@@ -73,38 +83,55 @@ def _check_each_matches(patterns: list[str], names: list[str], key: str, what: s
             raise ValueError(f"[dmuon] {key}: pattern {pattern!r} matches no {what}")
 
 
-def _predicates(model: nn.Module, settings: DMuon):
+def _check_patterns(model: nn.Module, settings: DMuon) -> None:
+    """Every ``[dmuon]`` pattern matches something in the whole model (a pipeline stage
+    holds only a part of it, so there the check runs before the split)."""
     names = [name for name, _ in model.named_parameters()]
     _check_each_matches(settings.params, names, "params", "parameter")
+    modules = [name for name, _ in model.named_modules()]
+    _check_each_matches(settings.hook_boundaries, modules, "hook_boundaries", "module")
+
+
+def muon_predicate(settings: DMuon):
+    """``predicate(name, param)``: the parameters ``[dmuon] params`` selects."""
 
     def predicate(name: str, param: nn.Parameter) -> bool:
         return _matches(name, settings.params)
 
+    return predicate
+
+
+def _boundary_predicate(model: nn.Module, settings: DMuon):
     boundary_predicate = None
     if settings.hook_boundaries:
-        modules = [name for name, _ in model.named_modules()]
-        _check_each_matches(settings.hook_boundaries, modules, "hook_boundaries", "module")
         blocks = default_boundary_modules(model)
 
         def boundary_predicate(name: str, module: nn.Module) -> bool:
             return module in blocks or _matches(name, settings.hook_boundaries)
 
-    return predicate, boundary_predicate
+    return boundary_predicate
 
 
-def _dedicate(model: nn.Module, mesh: DeviceMesh, settings: DMuon) -> None:
+def _reshard_after_forward(settings: DMuon, parallel_dims, job_config) -> bool:
+    """``[dmuon] reshard_after_forward``, or FSDP2's choice under TorchTitan's policy."""
+    if settings.reshard_after_forward is not None:
+        return settings.reshard_after_forward
+    policy = job_config.parallelism.fsdp_reshard_after_forward
+    return policy == "always" or (policy == "default" and not parallel_dims.pp_enabled)
+
+
+def _dedicate(model: nn.Module, mesh: DeviceMesh, settings: DMuon, z3: bool) -> None:
     if mesh.ndim == 2:
         shard_mesh, replicate_mesh = mesh["fsdp"], mesh["dp_replicate"]
     else:
         shard_mesh, replicate_mesh = mesh, None
-    predicate, boundary_predicate = _predicates(model, settings)
     dedicate_params(
         model,
         shard_mesh,
-        predicate,
+        muon_predicate(settings),
         replicate_mesh=replicate_mesh,
-        hook_boundary_predicate=boundary_predicate,
-        reshard_after_forward=settings.reshard_after_forward,
+        hook_boundary_predicate=_boundary_predicate(model, settings),
+        reshard_after_forward=z3,
         replicate_async=settings.replicate_async,
         # TorchTitan divides the loss by the global token count and turns off FSDP's
         # gradient division: gradients are sums over ranks, and so are the dedicated ones.
@@ -134,26 +161,55 @@ def with_dedication(parallelize_fn: Callable) -> Callable:
         if unsupported:
             raise ValueError(
                 f"[optimizer] name = 'DMuon' does not support {', '.join(unsupported)} yet; "
-                "use data parallelism (FSDP, HSDP or DDP) only"
+                "use data and pipeline parallelism (FSDP, HSDP, DDP, PP) only"
             )
         settings = job_config.dmuon
+        if not parallel_dims.pp_enabled:  # else checked on the whole model, before the split
+            _check_patterns(model, settings)
+        z3 = _reshard_after_forward(settings, parallel_dims, job_config)
         namespace = parallelize_fn.__globals__
 
         def apply_fsdp(model_, dp_mesh, *args, **kwargs):
-            _dedicate(model_, dp_mesh, settings)
+            _dedicate(model_, dp_mesh, settings, z3)
             return originals["apply_fsdp"](model_, dp_mesh, *args, **kwargs)
 
         def apply_ddp(model_, dp_mesh, *args, **kwargs):
             # DDP-style: DMuon owns the matrices and keeps every other parameter in sync.
-            _dedicate(model_, dp_mesh, settings)
+            _dedicate(model_, dp_mesh, settings, z3)
 
         with _swapped(namespace, apply_fsdp=apply_fsdp, apply_ddp=apply_ddp) as originals:
             model = parallelize_fn(model, parallel_dims, job_config)
         if model not in _SETTINGS:
-            raise ValueError(
-                "[optimizer] name = 'DMuon' needs data parallelism over more than one rank "
-                "(data_parallel_shard_degree or data_parallel_replicate_degree > 1)"
-            )
+            if parallel_dims.dp_enabled:
+                raise RuntimeError(
+                    f"{parallelize_fn.__module__}.{parallelize_fn.__name__} applied data "
+                    "parallelism without apply_fsdp or apply_ddp, which DMuon hooks into"
+                )
+            # One data-parallel rank: this rank owns every matrix; Muon + AdamW, no engine.
+            _SETTINGS[model] = settings
         return model
 
     return parallelize
+
+
+def with_pipeline_stages(pipelining_fn: Callable) -> Callable:
+    """Wrap a TorchTitan pipelining function so that, with DMuon, the ``[dmuon]`` patterns
+    are checked on the whole model and each pipeline stage drives its part's dedication
+    (micro-batch gradients accumulated, one reduce after the stage's last backward)."""
+
+    @functools.wraps(pipelining_fn)
+    def pipeline(model: nn.Module, parallel_dims, job_config, *args, **kwargs):
+        if job_config.optimizer.name != DMUON:
+            return pipelining_fn(model, parallel_dims, job_config, *args, **kwargs)
+        _check_patterns(model, job_config.dmuon)
+
+        def build_pipeline_schedule(job_config_, stages, loss_fn):
+            for stage in stages:
+                attach_pipeline_stage(stage)
+            return originals["build_pipeline_schedule"](job_config_, stages, loss_fn)
+
+        namespace = pipelining_fn.__globals__
+        with _swapped(namespace, build_pipeline_schedule=build_pipeline_schedule) as originals:
+            return pipelining_fn(model, parallel_dims, job_config, *args, **kwargs)
+
+    return pipeline

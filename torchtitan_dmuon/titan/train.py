@@ -48,7 +48,8 @@ class DMuonTrainer(Trainer):
         self.checkpointer.states[LR_SCHEDULER] = LRSchedulersWrapper(self.lr_schedulers)
         if job_config.optimizer.name != DMUON:
             return
-        self.dedications = [get_dedication(m) for m in self.model_parts]
+        # None for a part with one data-parallel rank (plain Muon + AdamW).
+        self.dedications = [d for d in map(get_dedication, self.model_parts) if d is not None]
         self.checkpointer.states[MODEL] = DMuonModelWrapper(self.model_parts)
         # The train step clips through this module attribute; TorchTitan's own cannot see
         # gradients held by owners and fails on a mix of DTensor and plain gradients.
@@ -96,9 +97,10 @@ class DMuonTrainer(Trainer):
                 dist.distributed_c10d._set_pg_timeout(timeout, group)
         logger.info("dmuon: the engine's process groups now time out after %s", timeout)
 
-    def _clip_grad_norm(self, parameters, max_norm, **unused) -> torch.Tensor:
+    def _clip_grad_norm(self, parameters, max_norm, pp_mesh=None, **unused) -> torch.Tensor:
         # TorchTitan's train step passes foreach, pp_mesh and ep_enabled: the 2-norm.
-        return self.optimizers.clip_grad_norm_(max_norm, self.step)
+        pp_group = pp_mesh.get_group() if pp_mesh is not None else None
+        return self.optimizers.clip_grad_norm_(max_norm, self.step, pp_group)
 
     def _dmuon_metrics(self, step: int) -> dict[str, float]:
         """Per-step averages since the last logged step, this rank's view."""
@@ -117,7 +119,7 @@ class DMuonTrainer(Trainer):
             "dmuon/broadcast_mb": (delta.get("broadcast", 0) + delta.get("replicate_broadcast", 0))
             / steps
             / 2**20,
-            "dmuon/owner_balance": max(d.balance() for d in self.dedications),
+            "dmuon/owner_balance": max((d.balance() for d in self.dedications), default=1.0),
         }
         self._last_bytes, self._last_step_seconds, self._last_step = totals, step_seconds, step
         return metrics
