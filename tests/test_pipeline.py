@@ -220,3 +220,50 @@ def test_schedule_matches_one_process_muon(case, pipeline_runs, reference):
                 assert r["broadcasts"][step] == r["units"]
     matrices = sum(1 for n, p in make_model(**MODEL).named_parameters() if proj_predicate(n, p))
     assert sum(r["ns_matrices"] for r in by_rank) == matrices * STEPS
+
+
+def misuse_worker(rank, world):
+    """A schedule that never marks a last backward, a stage attached twice, a non-stage:
+    clear errors on every rank, and the group still usable."""
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("pp", "dp"))
+    model = make_model(seed=0, **MODEL)
+    dedicate_params(model, mesh["dp"], proj_predicate)
+    opt = Muon(model, ns_dtype=torch.float32)
+    stage = PipelineStage(model, 0, 1, torch.device("cpu"), group=mesh["pp"].get_group())
+    attach_pipeline_stage(stage)
+    raised = {}
+    for name, misuse in {
+        "twice": lambda: attach_pipeline_stage(stage),
+        "not_a_stage": lambda: attach_pipeline_stage(model),
+    }.items():
+        try:
+            misuse()
+        except (RuntimeError, TypeError) as e:
+            raised[name] = str(e)
+
+    inputs, targets = data_for(0, rank, world, False)
+
+    def backward(last: bool) -> None:
+        loss = _cross_entropy(model(inputs), targets)
+        kwargs = {"stage_output": loss, "output_grads": None, "input_values": []}
+        stage.backward_maybe_with_nosync("full", kwargs, last_backward=last)
+
+    backward(last=False)
+    try:
+        opt.step()
+    except RuntimeError as e:
+        raised["no_last_backward"] = str(e)
+    backward(last=True)  # the accumulated gradients of both backwards go to the owners
+    opt.step()
+    ok = torch.ones(1)
+    dist.all_reduce(ok)
+    return raised, ok.item() == world
+
+
+def test_stage_misuse_raises_clear_errors():
+    for raised, alive in run_distributed(misuse_worker, 2, timeout=120):
+        assert alive
+        assert "already attached" in raised["twice"]
+        assert "must be a pipeline stage" in raised["not_a_stage"]
+        assert "pipeline stage 0 has not reduced" in raised["no_last_backward"]
+        assert "last_backward" in raised["no_last_backward"]

@@ -8,7 +8,7 @@ import math
 import os
 import re
 import subprocess
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -33,7 +33,9 @@ class OverrideDefinitions:
     test_name: str
     ngpu: int | list[int] = 2
     config_file: str = "train_configs/debug_cpu.toml"
-    extra: dict = field(default_factory=dict)
+    log_rank: int = 0
+    """The rank whose log is read (under pipeline parallelism: one holding the last stage,
+    the only one that logs the loss)."""
 
 
 @dataclass
@@ -43,8 +45,8 @@ class Run:
     losses: dict[int, float]
 
 
-def run_train(args: list[str], ngpu: int, dump: Path, config_file: str) -> Run:
-    env = dict(os.environ, NGPU=str(ngpu))
+def run_train(args: list[str], ngpu: int, dump: Path, config_file: str, log_rank: int = 0) -> Run:
+    env = dict(os.environ, NGPU=str(ngpu), LOG_RANK=str(log_rank))
     # As a user runs it: conftest's Triton interpreter would hide Triton-only paths.
     env.pop("TRITON_INTERPRET", None)
     cmd = ["./run_train.sh", "--job.config_file", config_file, "--job.dump_folder", str(dump)]
@@ -65,7 +67,7 @@ def run_case(case: OverrideDefinitions, tmp_path: Path) -> list[Run]:
     ngpus = case.ngpu if isinstance(case.ngpu, list) else [case.ngpu] * len(case.override_args)
     runs = []
     for i, (args, ngpu) in enumerate(zip(case.override_args, ngpus, strict=True)):
-        run = run_train(args, ngpu, tmp_path / f"run{i}", case.config_file)
+        run = run_train(args, ngpu, tmp_path / f"run{i}", case.config_file, case.log_rank)
         assert run.returncode == 0, f"{case.test_name} run {i} failed:\n{run.output[-4000:]}"
         assert run.losses and all(math.isfinite(v) for v in run.losses.values()), run.output[-2000:]
         runs.append(run)

@@ -255,6 +255,8 @@ def dedicate_params(
         raise ValueError("replicate_async=True needs replicate_mesh (HSDP)")
     settings = DedicationSettings(reshard_after_forward, replicate_async, gradient_divide_factor)
     selected = select_matrices(model, predicate)
+    if not selected:
+        raise ValueError("predicate selected no trainable 2-D or 3-D parameter")
     plan = build_plan(
         model,
         selected,

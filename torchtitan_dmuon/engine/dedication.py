@@ -55,6 +55,7 @@ class Dedication:
         reshard_after_backward: False keeps the gathered values after a backward without
             sync, until the reduce (a pipeline stage's micro-batches: one gather per
             step under Z2).
+        pipeline_stage: The index of the pipeline stage that drives it, if any.
         synced_backwards: Backwards that reduced gradients since the last step.
     """
 
@@ -100,6 +101,7 @@ class Dedication:
         self.others: OtherParams | None = None
         self.requires_gradient_sync = True
         self.reshard_after_backward = True
+        self.pipeline_stage: int | None = None
         self.synced_backwards = 0
         self.initialized = False
         for d in plan.params:
@@ -268,6 +270,13 @@ class Dedication:
 
     def before_step(self) -> None:
         if not self.initialized or self.synced_backwards == 0:
+            if self.pipeline_stage is not None:
+                raise RuntimeError(
+                    f"Muon.step() was called but pipeline stage {self.pipeline_stage} has not "
+                    "reduced its gradients since the last step: its schedule ran no backward "
+                    "marked last_backward (the stage's last full or weight backward of the "
+                    "step), which DMuon reduces after"
+                )
             raise RuntimeError(
                 "Muon.step() was called before any backward (with gradient sync enabled) "
                 "since the last step: the dedicated gradients have not been reduced to "

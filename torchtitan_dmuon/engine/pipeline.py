@@ -38,8 +38,9 @@ def attach_pipeline_stage(stage: _PipelineStageBase) -> None:
     dedication = get_dedication(stage.submod)
     if dedication is None:
         return
-    if getattr(stage, "_dmuon_attached", False):
+    if dedication.pipeline_stage is not None:
         raise RuntimeError(f"pipeline stage {stage.stage_index} is already attached to DMuon")
+    dedication.pipeline_stage = stage.stage_index
     backward = stage.backward_maybe_with_nosync
     scale_grads = stage.scale_grads
     # The stage decides when gradients are reduced, not the end of each backward.
@@ -61,4 +62,3 @@ def attach_pipeline_stage(stage: _PipelineStageBase) -> None:
 
     stage.backward_maybe_with_nosync = backward_maybe_with_nosync
     stage.scale_grads = scale
-    stage._dmuon_attached = True

@@ -45,7 +45,7 @@ def select_matrices(model: nn.Module, predicate: Predicate) -> list[tuple[str, n
     a warning (Muon is meant for hidden matrices).
 
     Raises:
-        ValueError: a selected parameter is tied or not a matrix, or nothing is selected.
+        ValueError: a selected parameter is tied or not a matrix.
     """
     names_of: dict[int, list[str]] = {}
     params: dict[int, nn.Parameter] = {}
@@ -81,6 +81,4 @@ def select_matrices(model: nn.Module, predicate: Predicate) -> list[tuple[str, n
         selected.append((name, p))
     if frozen:
         logger.info("Muon: %d frozen matrices left out: %s", len(frozen), frozen)
-    if not selected:
-        raise ValueError("predicate selected no trainable 2-D or 3-D parameter")
     return selected

@@ -21,6 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torchtitan.components.optimizer import OptimizersContainer
 
 from torchtitan_dmuon.engine import clip_grad_norm_, get_dedication
@@ -121,6 +122,19 @@ class DMuonOptimizersContainer(OptimizersContainer):
         )
         self._skip_next_step = True
         return norm
+
+    @torch.no_grad()
+    def divide_grads(self, divisor: torch.Tensor | float) -> None:
+        """Divide every gradient of this rank by ``divisor`` (a number or a one-element
+        tensor): ``p.grad`` (FSDP's and the other parameters') and the reduced gradients
+        the owners hold."""
+        for model in self.model_parts:
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            for g in grads:  # one-element divisor: no host sync, any device
+                (g.to_local() if isinstance(g, DTensor) else g).div_(divisor)
+            dedication = get_dedication(model)
+            if dedication is not None:
+                dedication.divide_owned_grads(divisor)
 
     def step(self, *args, **kwargs) -> None:
         if self._skip_next_step:

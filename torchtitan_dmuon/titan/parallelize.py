@@ -166,14 +166,22 @@ def with_dedication(parallelize_fn: Callable) -> Callable:
         settings = job_config.dmuon
         if not parallel_dims.pp_enabled:  # else checked on the whole model, before the split
             _check_patterns(model, settings)
+        # A pipeline stage may hold no selected matrix (only the embeddings, or the final
+        # norm and output): it is then AdamW alone, on TorchTitan's own data parallelism.
+        selects = any(_matches(name, settings.params) for name, _ in model.named_parameters())
         z3 = _reshard_after_forward(settings, parallel_dims, job_config)
         namespace = parallelize_fn.__globals__
 
         def apply_fsdp(model_, dp_mesh, *args, **kwargs):
-            _dedicate(model_, dp_mesh, settings, z3)
+            if selects:
+                _dedicate(model_, dp_mesh, settings, z3)
+            _SETTINGS[model_] = settings
             return originals["apply_fsdp"](model_, dp_mesh, *args, **kwargs)
 
         def apply_ddp(model_, dp_mesh, *args, **kwargs):
+            if not selects:
+                _SETTINGS[model_] = settings
+                return originals["apply_ddp"](model_, dp_mesh, *args, **kwargs)
             # DDP-style: DMuon owns the matrices and keeps every other parameter in sync.
             _dedicate(model_, dp_mesh, settings, z3)
 

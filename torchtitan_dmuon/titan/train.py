@@ -8,8 +8,9 @@
 * train specs for llama3, qwen3 and llama4 whose parallelize and optimizer functions use
   DMuon when ``[optimizer] name = "DMuon"`` (and are TorchTitan's own otherwise);
 * the CPU layer (``titan/cpu.py``) where there is no GPU;
-* with DMuon on: DMuon's gradient clipping (correct over dedicated and FSDP parameters)
-  and its ``[dmuon] nonfinite_grad_norm`` policy,
+* with DMuon on: DMuon's gradient clipping (correct over dedicated and FSDP parameters,
+  and over pipeline stages) and its ``[dmuon] nonfinite_grad_norm`` policy; under pipeline
+  parallelism gradients divided by the global token count as without it,
   topology-independent checkpoints of the dedicated matrices, and DMuon's figures (NS
   time, bytes reduced and broadcast, owner balance) in the metrics line and TensorBoard;
 * LR-scheduler state that loads across AdamW and DMuon checkpoints (their optimizers
@@ -97,9 +98,23 @@ class DMuonTrainer(Trainer):
                 dist.distributed_c10d._set_pg_timeout(timeout, group)
         logger.info("dmuon: the engine's process groups now time out after %s", timeout)
 
+    def forward_backward_step(self, *, input_dict, labels, global_valid_tokens) -> torch.Tensor:
+        self._global_valid_tokens = global_valid_tokens
+        return super().forward_backward_step(
+            input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
+        )
+
     def _clip_grad_norm(self, parameters, max_norm, pp_mesh=None, **unused) -> torch.Tensor:
         # TorchTitan's train step passes foreach, pp_mesh and ep_enabled: the 2-norm.
-        pp_group = pp_mesh.get_group() if pp_mesh is not None else None
+        pp_group = None
+        if pp_mesh is not None:
+            pp_group = pp_mesh.get_group()
+            # TorchTitan 0.2.2 back-propagates a pipeline's summed loss, where without PP
+            # (and in later TorchTitan with PP too) it divides by the global token count:
+            # gradients would be that many times larger, always clipped, and optimizer
+            # state would not carry over between PP and non-PP runs. Divide them here,
+            # after the step's last backward, before clipping.
+            self.optimizers.divide_grads(self._global_valid_tokens)
         return self.optimizers.clip_grad_norm_(max_norm, self.step, pp_group)
 
     def _dmuon_metrics(self, step: int) -> dict[str, float]:

@@ -1,0 +1,186 @@
+"""Pipeline parallelism with DMuon through ./run_train.sh: TorchTitan's own pipeline cases
+(tests/integration_tests/features.py of v0.2.2, with their overrides), each schedule with
+data parallelism added, equality across pipeline degrees, and checkpoints across them."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+
+from tests.test_titan_integration import OverrideDefinitions, run_case, run_train
+
+STEPS4 = ["--training.steps", "4", "--metrics.log_freq", "1"]
+GRAD_NORM = re.compile(r"grad_norm:\s*(\S+)")
+FP32_NS = ["--dmuon.ns_dtype", "float32", "--dmuon.ns_backend", "torch"]
+
+
+def pp(degree: int, schedule: str, *more: str) -> list[str]:
+    return [
+        "--parallelism.pipeline_parallel_degree",
+        str(degree),
+        "--parallelism.pipeline_parallel_schedule",
+        schedule,
+        *more,
+    ]
+
+
+DP1 = ["--parallelism.data_parallel_shard_degree", "1"]
+DP2 = ["--parallelism.data_parallel_shard_degree", "2"]
+CSV = ["--parallelism.pipeline_parallel_schedule_csv", "./tests/assets/pp_schedule_4mb.csv"]
+
+# TorchTitan's cases, with its overrides (its CSV has 8 micro-batches, our debug config 4:
+# tests/assets/pp_schedule_4mb.csv is the same kind of split-backward looped schedule), and
+# the same schedules with 2 data-parallel ranks added (FSDP; TorchTitan refuses DDP with
+# PP). log_rank: a rank holding the last stage, the only one that logs the loss.
+CASES = {
+    "pp_gpipe": OverrideDefinitions([pp(2, "GPipe", *DP1)], "PP 1D GPipe", "pp_gpipe", log_rank=1),
+    "pp_1f1b": OverrideDefinitions([pp(2, "1F1B", *DP1)], "PP 1D 1F1B", "pp_1f1b", log_rank=1),
+    "pp_zbv": OverrideDefinitions([pp(2, "ZBVZeroBubble")], "PP ZBV", "pp_zbv", log_rank=0),
+    "pp_custom_csv": OverrideDefinitions(
+        [pp(2, "PipelineScheduleMulti", *CSV)], "PP CSV schedule", "pp_custom_csv", log_rank=1
+    ),
+    # 8 stages for 6 layers: the first holds only the embeddings, the last only the norm
+    # and the output, so those two parts are AdamW alone.
+    "pp_looped_1f1b": OverrideDefinitions(
+        [pp(4, "Interleaved1F1B")], "PP looped 1F1B", "pp_looped_1f1b", ngpu=4, log_rank=3
+    ),
+    "pp_looped_1f1b_layers_per_stage": OverrideDefinitions(
+        [pp(4, "Interleaved1F1B", "--parallelism.pipeline_parallel_layers_per_stage", "1")],
+        "PP looped 1F1B, one layer per stage",
+        "pp_looped_1f1b_layers_per_stage",
+        ngpu=4,
+        log_rank=3,
+    ),
+    "pp_looped_zero_bubble": OverrideDefinitions(
+        [pp(4, "InterleavedZeroBubble")],
+        "PP looped zero bubble",
+        "pp_looped_zero_bubble",
+        ngpu=4,
+        log_rank=3,
+    ),
+    "pp_dp_1f1b_layers_per_stage": OverrideDefinitions(
+        [pp(2, "1F1B", "--parallelism.pipeline_parallel_layers_per_stage", "4", *DP2)],
+        "PP+DP 1F1B, 4 layers per stage",
+        "pp_dp_1f1b_layers_per_stage",
+        ngpu=4,
+        log_rank=2,
+    ),
+    "zbv_dp2": OverrideDefinitions(
+        [pp(2, "ZBVZeroBubble", *DP2)], "PP ZBV + DP 2", "zbv_dp2", ngpu=4, log_rank=0
+    ),
+    "looped_1f1b_dp2": OverrideDefinitions(
+        [pp(2, "Interleaved1F1B", *DP2)],
+        "PP looped 1F1B + DP 2",
+        "looped_1f1b_dp2",
+        ngpu=4,
+        log_rank=2,
+    ),
+    "looped_zero_bubble_dp2": OverrideDefinitions(
+        [pp(2, "InterleavedZeroBubble", *DP2)],
+        "PP looped zero bubble + DP 2",
+        "looped_zero_bubble_dp2",
+        ngpu=4,
+        log_rank=2,
+    ),
+    "custom_csv_dp2": OverrideDefinitions(
+        [pp(2, "PipelineScheduleMulti", *CSV, *DP2)],
+        "PP CSV schedule + DP 2",
+        "custom_csv_dp2",
+        ngpu=4,
+        log_rank=2,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_pipeline_case_trains(name, tmp_path):
+    """Each case trains with DMuon: 4 steps, a finite falling loss on the last stage."""
+    case = CASES[name]
+    (run,) = run_case(
+        OverrideDefinitions(
+            [[*STEPS4, *case.override_args[0]]],
+            case.test_descr,
+            name,
+            ngpu=case.ngpu,
+            log_rank=case.log_rank,
+        ),
+        tmp_path,
+    )
+    assert sorted(run.losses) == [1, 2, 3, 4], run.output[-3000:]
+    assert run.losses[4] < run.losses[1]
+    assert "dmuon: optimizer step" in run.output
+    if "DP 2" in case.test_descr or name.startswith("pp_dp"):
+        # Z2 by default under PP: one broadcast per unit per step.
+        assert re.search(r"dedicate_params: .* Z2", run.output), run.output[-3000:]
+
+
+def _seed_checkpoint(tmp_path):
+    """One rank's initial weights: pipeline stages seed their initialization per stage, so
+    runs of different pipeline degrees start equal only from a seed checkpoint (as
+    TorchTitan's own PP tests do)."""
+    seed = tmp_path / "seed"
+    run = run_train(
+        [
+            *STEPS4[:2],
+            "--checkpoint.enable",
+            "--checkpoint.create_seed_checkpoint",
+            "--training.steps",
+            "1",
+            *DP1,
+        ],
+        1,
+        seed,
+        "train_configs/debug_cpu.toml",
+    )
+    assert run.returncode == 0, run.output[-3000:]
+    return seed / "checkpoint" / "step-0"
+
+
+def test_pipeline_equals_data_parallel_and_checkpoints_cross_pp(tmp_path):
+    """DMuon PP 2 x DP 2 (GPipe and 1F1B, 4 ranks) equals DMuon PP 1 x DP 2 (2 ranks, same
+    data) within 1e-4 over 10 steps; a checkpoint saved at PP 2 resumes bit-exact at PP 2
+    and continues within 1e-4 at PP 1.
+
+    Equal gradients need DMuon's trainer: TorchTitan 0.2.2 back-propagates a pipeline's
+    summed loss, not divided by the global token count as without PP, which DMuon undoes
+    before clipping (the grad norms logged by the runs agree too).
+    """
+    init = _seed_checkpoint(tmp_path)
+    common = [
+        "--training.steps", "10", "--metrics.log_freq", "1", *FP32_NS,
+        "--checkpoint.enable", "--checkpoint.interval", "5",
+        "--checkpoint.initial_load_path", str(init), "--checkpoint.initial_load_model_only",
+    ]  # fmt: skip
+    config = "train_configs/debug_cpu.toml"
+    reference = run_train([*common, *DP2], 2, tmp_path / "pp1", config)
+    gpipe = run_train([*common, *pp(2, "GPipe", *DP2)], 4, tmp_path / "gpipe", config, 2)
+    one_f_one_b = run_train([*common, *pp(2, "1F1B", *DP2)], 4, tmp_path / "1f1b", config, 2)
+    steps = list(range(1, 11))
+    for run in (reference, gpipe, one_f_one_b):
+        assert run.returncode == 0, run.output[-3000:]
+        assert sorted(run.losses) == steps and all(map(math.isfinite, run.losses.values()))
+    expected = [reference.losses[s] for s in steps]
+    assert [gpipe.losses[s] for s in steps] == pytest.approx(expected, rel=1e-4)
+    assert [one_f_one_b.losses[s] for s in steps] == pytest.approx(expected, rel=1e-4)
+    norms = [float(n) for n in GRAD_NORM.findall(reference.output)]
+    assert len(norms) == 10
+    assert [float(n) for n in GRAD_NORM.findall(gpipe.output)] == pytest.approx(norms, rel=1e-3)
+
+    saved = tmp_path / "1f1b" / "checkpoint" / "step-5"
+    assert saved.is_dir()
+    resume = [
+        *common[: common.index("--checkpoint.initial_load_path")],
+        "--checkpoint.initial_load_path", str(saved), "--checkpoint.no-initial_load_model_only",
+    ]  # fmt: skip
+    same = run_train([*resume, *pp(2, "1F1B", *DP2)], 4, tmp_path / "resume_pp2", config, 2)
+    flat = run_train([*resume, *DP2], 2, tmp_path / "resume_pp1", config)
+    later = list(range(6, 11))
+    for run in (same, flat):
+        assert run.returncode == 0, run.output[-3000:]
+        assert sorted(run.losses) == later, run.output[-3000:]
+    assert [same.losses[s] for s in later] == [one_f_one_b.losses[s] for s in later]
+    assert [flat.losses[s] for s in later] == pytest.approx(
+        [one_f_one_b.losses[s] for s in later], rel=1e-4
+    )
