@@ -51,8 +51,7 @@ AllGather = Callable[[torch.Tensor], list[torch.Tensor]]
 def _unsplit_dim(shape: Sequence[int], split_dim: int) -> int:
     if split_dim not in (-2, -1, len(shape) - 2, len(shape) - 1):
         raise ValueError(
-            f"split_dim must be one of the last two dims of a {len(shape)}-D shard, "
-            f"got {split_dim}"
+            f"split_dim must be one of the last two dims of a {len(shape)}-D shard, got {split_dim}"
         )
     return shape[-1] if split_dim % len(shape) == len(shape) - 2 else shape[-2]
 

@@ -67,7 +67,6 @@ def clean_fqn(name: str) -> str:
 def _unsupported(parallel_dims) -> list[str]:
     checks = {
         "tensor parallel (parallelism.tensor_parallel_degree)": parallel_dims.tp_enabled,
-        "context parallel (parallelism.context_parallel_degree)": parallel_dims.cp_enabled,
         "expert parallel (parallelism.expert_parallel_degree)": parallel_dims.ep_enabled,
     }
     return [what for what, enabled in checks.items() if enabled]
@@ -161,7 +160,7 @@ def with_dedication(parallelize_fn: Callable) -> Callable:
         if unsupported:
             raise ValueError(
                 f"[optimizer] name = 'DMuon' does not support {', '.join(unsupported)} yet; "
-                "use data and pipeline parallelism (FSDP, HSDP, DDP, PP) only"
+                "use data, context and pipeline parallelism (FSDP, HSDP, DDP, CP, PP) only"
             )
         settings = job_config.dmuon
         if not parallel_dims.pp_enabled:  # else checked on the whole model, before the split
