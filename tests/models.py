@@ -100,6 +100,35 @@ class TinyTransformer(nn.Module):
         return self.head(self.norm(x))
 
 
+class TokenBlock(nn.Module):
+    def __init__(self, dim: int = 32, hidden: int = 64) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down_proj(torch.relu(self.up_proj(self.norm(x))))
+
+
+class TokenModel(nn.Module):
+    """Every token is computed on its own (a sequence chunk needs no other chunk, for context
+    parallelism), and its blocks are Megatron MLPs (up Colwise, down Rowwise, for tensor
+    parallelism)."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(TokenBlock(dim) for _ in range(3))
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
 def proj_predicate(name: str, param: nn.Parameter) -> bool:
     return "proj" in name and param.ndim == 2
 

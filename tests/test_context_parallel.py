@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from tests.dist import run_distributed
-from tests.models import batch, proj_predicate
+from tests.models import TokenModel, batch, proj_predicate
 from tests.workers import (
     ADAMW_KW,
     MUON_KW,
@@ -31,36 +31,9 @@ STEPS, SAMPLES, SEQ, VOCAB = 4, 4, 8, 64
 DP_SHARD, CP = 2, 2
 
 
-class TokenBlock(nn.Module):
-    def __init__(self, dim: int = 32, hidden: int = 64) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down_proj(torch.relu(self.up_proj(self.norm(x))))
-
-
-class TokenModel(nn.Module):
-    """Every token is computed on its own, so a sequence chunk needs no other chunk."""
-
-    def __init__(self, dim: int = 32) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, dim)
-        self.layers = nn.ModuleList(TokenBlock(dim) for _ in range(3))
-        self.head = nn.Linear(dim, VOCAB, bias=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
-
-
 def _model() -> TokenModel:
     torch.manual_seed(0)
-    return TokenModel()
+    return TokenModel(VOCAB)
 
 
 def _summed_loss(model, inputs, targets) -> torch.Tensor:

@@ -247,18 +247,33 @@ class Muon(torch.optim.Optimizer):
                 params.append(param)
                 grads.append(grad)
                 bufs.append(state["momentum_buffer"])
-        if params:
-            schedule = resolve_ns_schedule(group["ns_coefficients"], group["ns_steps"])
+        schedule = resolve_ns_schedule(group["ns_coefficients"], group["ns_steps"])
+        ns = bind_ns(self.ns_backend, schedule, eps=self.eps, dtype=self.ns_dtype)
+        # Tensor-parallel shards go by split dim: their owner column's TP ranks run the
+        # Newton-Schulz together, and the learning rate follows the whole matrix.
+        by_split: dict[int | None, list[int]] = {}
+        for i, (key, _, _) in enumerate(targets):
+            split = self.dedication.split_dim_of(key) if self.dedication is not None else None
+            by_split.setdefault(split, []).append(i)
+        for split, indices in by_split.items():
+            shapes = None
+            group_ns = ns
+            if split is not None:
+                shapes = [targets[i][0].shape for i in indices]
+                group_ns = self.dedication.sharded_ns(
+                    split, ns, schedule, eps=self.eps, dtype=self.ns_dtype
+                )
             self.ns_matrices += muon_step(
-                params,
-                grads,
-                bufs,
+                [params[i] for i in indices],
+                [grads[i] for i in indices],
+                [bufs[i] for i in indices],
                 lr=group["lr"],
                 weight_decay=group["weight_decay"],
                 momentum=group["momentum"],
                 nesterov=group["nesterov"],
                 adjust_lr_fn=group["adjust_lr_fn"],
-                ns=bind_ns(self.ns_backend, schedule, eps=self.eps, dtype=self.ns_dtype),
+                ns=group_ns,
+                shapes=shapes,
             )
         if self._adamw is not None:
             self._adamw.step()

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor, Shard
 
 from torchtitan_dmuon.engine import comm
 from torchtitan_dmuon.engine.dedication import Dedication, get_dedication
@@ -57,12 +58,14 @@ def get_full_param(model: nn.Module, name: str) -> torch.Tensor:
     if unit.primary:
         value = unit.master_view(d).clone()
     else:
-        value = torch.empty(d.param.shape, dtype=unit.master_dtype, device=unit.flat.device)
+        value = torch.empty(d.local_shape, dtype=unit.master_dtype, device=unit.flat.device)
     replicas = dedication.replicas
     if replicas is not None and unit.holds:
         replicas.wait(unit)
         comm.broadcast(value, unit.primary_replica, replicas.group, dedication.stats, "read").wait()
     comm.broadcast(value, unit.column, dedication.shard_group, dedication.stats, "read").wait()
+    if d.split_dim is not None:  # tensor parallelism: the shards, side by side
+        value = torch.cat(dedication.gather_shards(value), dim=d.split_dim)
     return value
 
 
@@ -176,6 +179,41 @@ def _layout_error(table: list[list[int]], dim: str) -> Exception | None:
     return None
 
 
+def _tensor_parallel_mesh(selected: list[tuple[str, nn.Parameter]]) -> DeviceMesh | None:
+    """The one 1-D mesh the tensor-parallel (DTensor) matrices are sharded over, or None.
+
+    Each such matrix must be a 2-D DTensor split evenly along one of its dims (TorchTitan's
+    Colwise: rows, Rowwise: columns) over that mesh.
+
+    Raises:
+        ValueError: a layout the engine cannot handle, naming the parameter.
+    """
+    meshes = []
+    for name, p in selected:
+        if not isinstance(p, DTensor):
+            continue
+        placements, shape = p.placements, tuple(p.shape)
+        ok = (
+            p.ndim == 2
+            and p.device_mesh.ndim == 1
+            and isinstance(placements[0], Shard)
+            and shape[placements[0].dim] % p.device_mesh.size() == 0
+        )
+        if not ok:
+            raise ValueError(
+                f"{name!r}: a tensor-parallel matrix must be a 2-D DTensor split evenly "
+                f"along one dim over a 1-D mesh; got shape {shape}, placements {placements} "
+                f"over a {p.device_mesh.ndim}-D mesh of {p.device_mesh.size()} ranks"
+            )
+        meshes.append((name, p.device_mesh))
+    if len({tuple(m.mesh.flatten().tolist()) for _, m in meshes}) > 1:
+        raise ValueError(
+            "the tensor-parallel matrices are sharded over different meshes: "
+            f"{[(name, m.mesh.tolist()) for name, m in meshes]}"
+        )
+    return meshes[0][1] if meshes else None
+
+
 def _validate_meshes(mesh: DeviceMesh, replicate_mesh: DeviceMesh | None) -> None:
     if not dist.is_initialized():
         raise RuntimeError("dedicate_params needs an initialized default process group")
@@ -257,6 +295,7 @@ def dedicate_params(
     selected = select_matrices(model, predicate)
     if not selected:
         raise ValueError("predicate selected no trainable 2-D or 3-D parameter")
+    tp_mesh = _tensor_parallel_mesh(selected)
     plan = build_plan(
         model,
         selected,
@@ -264,7 +303,7 @@ def dedicate_params(
         replicate_size=replicate_mesh.size() if replicate_mesh is not None else 1,
         hook_boundary_predicate=hook_boundary_predicate,
     )
-    dedication = Dedication(model, plan, settings, mesh, replicate_mesh)
+    dedication = Dedication(model, plan, settings, mesh, replicate_mesh, tp_mesh)
     logger.info(
         "dedicate_params: %d parameters (%d matrices), %d boundaries, %d units over "
         "%d x %d ranks, NS balance %.3f, %s",

@@ -11,6 +11,7 @@ protocol: :meth:`owned_grads`, :meth:`before_step`, :meth:`after_step`, :meth:`z
 
 from __future__ import annotations
 
+import logging
 import weakref
 from dataclasses import dataclass
 
@@ -28,8 +29,16 @@ from torchtitan_dmuon.engine.plan import Plan
 from torchtitan_dmuon.engine.replicas import Replicas
 from torchtitan_dmuon.engine.settings import DedicationSettings
 from torchtitan_dmuon.engine.unit import Unit
+from torchtitan_dmuon.optim.sharded_ns import (
+    gathered_newton_schulz,
+    sharded_newton_schulz,
+    sharded_ns_bytes,
+    sharded_ns_method,
+)
 
 __all__ = ["Dedication", "PendingReduce", "get_dedication"]
+
+logger = logging.getLogger(__name__)
 
 _DEDICATIONS: weakref.WeakKeyDictionary[nn.Module, Dedication] = weakref.WeakKeyDictionary()
 
@@ -66,6 +75,7 @@ class Dedication:
         settings: DedicationSettings,
         mesh: DeviceMesh,
         replicate_mesh: DeviceMesh | None,
+        tp_mesh: DeviceMesh | None = None,
     ) -> None:
         self.model = model
         self.plan = plan
@@ -98,6 +108,11 @@ class Dedication:
         if replicate_mesh is not None:
             group = comm.engine_group(replicate_mesh.get_group(), "dmuon_replicate")
             self.replicas = Replicas(group, replicate_rank, replicate_mesh.size(), self.stats)
+        # Tensor parallelism: the owner column's TP ranks orthogonalize together.
+        self.tp_group = None
+        if tp_mesh is not None:
+            self.tp_group = comm.engine_group(tp_mesh.get_group(), "dmuon_tp")
+        self._ns_methods: dict[tuple, str] = {}
         self.others: OtherParams | None = None
         self.requires_gradient_sync = True
         self.reshard_after_backward = True
@@ -124,7 +139,8 @@ class Dedication:
         """The engine's own groups: shard (broadcasts), reduce (stage-1 reduces, the same
         ranks) and, under HSDP, replicate."""
         groups = [self.shard_group, self.reduce_group]
-        return groups + ([self.replicas.group] if self.replicas is not None else [])
+        groups += [self.replicas.group] if self.replicas is not None else []
+        return groups + ([self.tp_group] if self.tp_group is not None else [])
 
     def data_parallel_groups(self) -> list[dist.ProcessGroup]:
         """Groups whose successive SUM all-reduces sum over every data-parallel rank: the
@@ -137,6 +153,7 @@ class Dedication:
         (``Module.to_empty`` registers new ones), and hook each new one."""
         for d in self.plan.params:
             d.param = self.model.get_parameter(d.name)
+        self._split_dims = {id(d.param): d.split_dim for d in self.plan.params}
         self.driver.bind_params()
 
     def lazy_init(self) -> None:
@@ -315,6 +332,52 @@ class Dedication:
         values outside forward and before the process groups are destroyed."""
         if self.replicas is not None:
             self.replicas.wait_all()
+
+    # ---- tensor parallelism -----------------------------------------------------------------
+    def split_dim_of(self, param: nn.Parameter) -> int | None:
+        """The dim a tensor-parallel dedicated matrix is split along, else None."""
+        return self._split_dims.get(id(param))
+
+    def gather_shards(self, shard: torch.Tensor) -> list[torch.Tensor]:
+        """Every tensor-parallel rank's shard (same shapes), in rank order."""
+        size = dist.get_world_size(self.tp_group)
+        out = shard.new_empty((size * shard.shape[0], *shard.shape[1:]))
+        self.stats.record("tp_gather", out)
+        dist.all_gather_into_tensor(out, shard.contiguous(), group=self.tp_group)
+        return list(out.chunk(size))
+
+    def sharded_ns(self, split_dim: int, ns, schedule, *, eps: float, dtype: torch.dtype):
+        """Newton-Schulz of tensor-parallel shards split along ``split_dim``, run together
+        by the owner column's TP ranks: the Gram path (one all-reduce of the unsplit dim's
+        Gram per phase) unless gathering the matrix moves fewer bytes (then ``ns`` on the
+        gathered matrix). The choice per shape is logged once."""
+        size = dist.get_world_size(self.tp_group)
+        rank = dist.get_rank(self.tp_group)
+
+        def all_reduce(t: torch.Tensor) -> None:
+            self.stats.record("tp_all_reduce", t)
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.tp_group)
+
+        def orthogonalize(shards: torch.Tensor) -> torch.Tensor:
+            full = list(shards.shape)
+            full[split_dim] *= size
+            method = sharded_ns_method(full, split_dim, dtype.itemsize, schedule.steps)
+            key = (tuple(full[-2:]), split_dim)
+            if key not in self._ns_methods:
+                self._ns_methods[key] = method
+                logger.info(
+                    "dmuon: tensor-parallel Newton-Schulz of %s split along dim %d over %d "
+                    "ranks: %s (bytes per matrix: %s)",
+                    key[0], split_dim, size, method,
+                    sharded_ns_bytes(full[-2:], split_dim, dtype.itemsize, schedule.steps),
+                )  # fmt: skip
+            if method == "gram":
+                return sharded_newton_schulz(
+                    shards, split_dim, all_reduce, schedule, eps=eps, dtype=dtype
+                )
+            return gathered_newton_schulz(shards, split_dim, rank, self.gather_shards, ns)
+
+        return orthogonalize
 
     # ---- reports and reads -----------------------------------------------------------------------
     def balance(self) -> float:

@@ -54,7 +54,10 @@ def clip_grad_norm_(
         raise ValueError(f"norm_type: only the 2-norm is supported, got {norm_type}")
     parts = [model] if isinstance(model, nn.Module) else list(model)
     dedications = [d for d in map(get_dedication, parts) if d is not None]
-    owned = [grad for d in dedications for _, _, grad in d.owned_grads()]
+    owned, owned_shards = [], []  # whole matrices; tensor-parallel shards
+    for d in dedications:
+        for param, _, grad in d.owned_grads():
+            (owned if d.split_dim_of(param) is None else owned_shards).append(grad)
     sharded, replicated = [], []
     for p in (p for part in parts for p in part.parameters()):
         if p.grad is None:
@@ -72,16 +75,23 @@ def clip_grad_norm_(
         norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
         total_sq = total_sq + norm.full_tensor().float().pow(2)
     if dedications:
-        # Each dedicated matrix's gradient is on one rank of the data-parallel groups.
-        owned_sq = _sum_of_squares(owned, device)
+        # Each dedicated matrix's gradient is on one rank of the data-parallel groups;
+        # a tensor-parallel one in shards over the owner column's TP ranks.
+        owned_sq = torch.stack(
+            [_sum_of_squares(owned, device), _sum_of_squares(owned_shards, device)]
+        )
         for group in dedications[0].data_parallel_groups():
             dist.all_reduce(owned_sq, op=dist.ReduceOp.SUM, group=group)
-        total_sq = total_sq + owned_sq
+        if dedications[0].tp_group is not None:
+            shards_sq = owned_sq[1:].clone()
+            dist.all_reduce(shards_sq, op=dist.ReduceOp.SUM, group=dedications[0].tp_group)
+            owned_sq = torch.cat([owned_sq[:1], shards_sq])
+        total_sq = total_sq + owned_sq.sum()
     if pp_group is not None:
         dist.all_reduce(total_sq, op=dist.ReduceOp.SUM, group=pp_group)
     total = total_sq.sqrt()
     coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    grads = owned + [g.to_local() for g in sharded] + replicated
+    grads = owned + owned_shards + [g.to_local() for g in sharded] + replicated
     if grads:
         torch._foreach_mul_(grads, coefficient)
     return total

@@ -18,8 +18,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from torchtitan_dmuon.engine import comm
+from torchtitan_dmuon.engine.plan import local_tensor
 from torchtitan_dmuon.engine.settings import DedicationSettings
 from torchtitan_dmuon.engine.unit import flagged_grad_bucket
 
@@ -79,7 +81,7 @@ class OtherParams:
         group, then from replicate rank 0 across replicas."""
         if not self.params:
             return
-        tensors = [p.data for p in self.params]
+        tensors = [local_tensor(p.detach()) for p in self.params]
         if not self._fsdp_anywhere:
             tensors += [b.data for b in model.buffers()]
         for group in self._groups:
@@ -105,11 +107,15 @@ class OtherParams:
         bucket[:numel].div_(settings.divide_factor(self._ranks))
         offset = 0
         for p, has_grad in zip(self.params, bucket[numel:].tolist(), strict=True):
-            mean = bucket[offset : offset + p.numel()].view_as(p)
-            offset += p.numel()
+            numel = local_tensor(p).numel()
+            mean = bucket[offset : offset + numel]
+            offset += numel
             if not has_grad:
                 continue
-            if p.grad is None:
-                p.grad = mean.to(p.dtype, copy=True)
+            if p.grad is not None:
+                local_tensor(p.grad).copy_(mean.view_as(local_tensor(p.grad)))
+            elif isinstance(p, DTensor):  # tensor parallelism: this rank's shard
+                grad = mean.to(p.dtype, copy=True).view(local_tensor(p).shape)
+                p.grad = DTensor.from_local(grad, p.device_mesh, p.placements)
             else:
-                p.grad.copy_(mean)
+                p.grad = mean.to(p.dtype, copy=True)

@@ -12,10 +12,13 @@ and runs Newton-Schulz.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from torchtitan_dmuon.engine.partition import PartitionItem, assign_owners, load_balance
 from torchtitan_dmuon.optim.newton_schulz import ns_flops
@@ -28,14 +31,24 @@ __all__ = [
     "UnitPlan",
     "build_plan",
     "default_boundary_modules",
+    "local_tensor",
 ]
 
 BoundaryPredicate = Callable[[str, nn.Module], bool]
 
 
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (a tensor-parallel matrix), else ``tensor`` itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 @dataclass(eq=False)
 class DedicatedParam:
     """A matrix parameter with one owner slot.
+
+    Under tensor parallelism the parameter is a DTensor sharded along one of its two
+    dims over a 1-D tensor-parallel mesh; the engine moves and stores its local shard,
+    and the owner column's tensor-parallel ranks orthogonalize it together.
 
     Attributes:
         name: Fully qualified name in the model.
@@ -49,8 +62,20 @@ class DedicatedParam:
     offset: int = 0
 
     @property
+    def local_shape(self) -> torch.Size:
+        """The shape this rank stores (its shard's under tensor parallelism)."""
+        return local_tensor(self.param).shape
+
+    @property
     def numel(self) -> int:
-        return self.param.numel()
+        return math.prod(self.local_shape)
+
+    @property
+    def split_dim(self) -> int | None:
+        """Under tensor parallelism, the dim it is split along (-2 rows, -1 columns)."""
+        if not isinstance(self.param, DTensor):
+            return None
+        return self.param.placements[0].dim - self.param.ndim
 
 
 @dataclass(eq=False)

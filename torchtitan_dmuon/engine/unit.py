@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from torchtitan_dmuon.engine.plan import DedicatedParam, UnitPlan
+from torchtitan_dmuon.engine.plan import DedicatedParam, UnitPlan, local_tensor
 
 __all__ = ["Unit", "flagged_grad_bucket"]
 
@@ -30,14 +31,15 @@ def flagged_grad_bucket(
     has-gradient flag per parameter: a bucket of the same size on every rank, whatever
     gradients each rank computed, so that a gradient no rank computed can be told from
     one whose sum is zero."""
-    numel = sum(p.numel() for p in params)
+    locals_ = [local_tensor(p) for p in params]  # tensor parallelism: this rank's shards
+    numel = sum(p.numel() for p in locals_)
     bucket = torch.zeros(numel + len(params), dtype=dtype, device=device)
     offset = 0
-    for i, p in enumerate(params):
+    for i, (p, local) in enumerate(zip(params, locals_, strict=True)):
         if p.grad is not None:
-            bucket[offset : offset + p.numel()].copy_(p.grad.reshape(-1))
+            bucket[offset : offset + local.numel()].copy_(local_tensor(p.grad).reshape(-1))
             bucket[numel + i] = 1
-        offset += p.numel()
+        offset += local.numel()
     return bucket
 
 
@@ -85,12 +87,14 @@ class Unit:
     @staticmethod
     def view(buffer: torch.Tensor, d: DedicatedParam) -> torch.Tensor:
         """``d``'s slice of a buffer laid out like ``flat``."""
-        return buffer[d.offset : d.offset + d.numel].view(d.param.shape)
+        return buffer[d.offset : d.offset + d.numel].view(d.local_shape)
 
     def master_view(self, d: DedicatedParam) -> torch.Tensor:
         """The full-precision value the optimizer updates (the parameter itself without
         mixed precision)."""
-        return d.param.data if self.master is None else self.view(self.master, d)
+        if self.master is None:
+            return local_tensor(d.param).detach()
+        return self.view(self.master, d)
 
     # ---- storage ---------------------------------------------------------------------
     @torch.no_grad()
@@ -104,12 +108,14 @@ class Unit:
         self.master_dtype = self.params[0].param.dtype
         compute_dtype = param_dtype or self.master_dtype
         self.reduce_dtype = reduce_dtype or compute_dtype
-        values = torch.cat([d.param.detach().reshape(-1) for d in self.params])
+        values = torch.cat([local_tensor(d.param).detach().reshape(-1) for d in self.params])
         if self.primary and compute_dtype != self.master_dtype:
             self.master = values
         self.flat = values.to(compute_dtype)
         for d in self.params:
-            d.param.data = self.view(self.flat, d)
+            # A DTensor (tensor parallelism) keeps its wrapper; its local shard is the view.
+            target = d.param._local_tensor if isinstance(d.param, DTensor) else d.param
+            target.data = self.view(self.flat, d)
         self.free()
 
     def allocate(self) -> None:

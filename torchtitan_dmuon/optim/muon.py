@@ -66,6 +66,7 @@ def muon_step(
     nesterov: bool,
     adjust_lr_fn: str | None,
     ns: NSFunction,
+    shapes: Sequence[Sequence[int]] | None = None,
 ) -> int:
     """Apply one Muon update to each matrix in ``params`` (in place).
 
@@ -83,6 +84,8 @@ def muon_step(
         nesterov: Use the Nesterov look-ahead.
         adjust_lr_fn: See :func:`adjusted_lr` (per matrix: the last two dims).
         ns: The orthogonalization to use (a backend with its schedule bound).
+        shapes: The whole matrices' shapes, for the learning-rate adjustment, when
+            ``params`` are tensor-parallel shards (default: their own shapes).
 
     Returns:
         The number of matrices orthogonalized (a 3-D stack counts each of its matrices).
@@ -126,7 +129,8 @@ def muon_step(
             if weight_decay != 0:
                 torch._foreach_mul_(bucket_params, 1 - lr * weight_decay)
             # One learning rate per bucket: every matrix in it has the same shape.
-            alpha = -adjusted_lr(lr, adjust_lr_fn, bucket_params[0].shape)
+            shape = shapes[indices[0]] if shapes is not None else bucket_params[0].shape
+            alpha = -adjusted_lr(lr, adjust_lr_fn, shape)
             torch._foreach_add_(bucket_params, orthogonal, alpha=alpha)
         matrices += sum(matrix_count(p.shape) for p in bucket_params)
     return matrices
