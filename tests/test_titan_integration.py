@@ -208,7 +208,7 @@ BAD_INPUT = [
     (["--dmuon.bogus", "1"], 2, "Unrecognized options"),
     (["--dmuon.params", "layers.*.nonexistent.weight"], 2, "matches no parameter"),
     (["--dmuon.params", "layers.*.attention_norm.weight"], 2, "only 2-D matrices"),
-    (["--parallelism.tensor_parallel_degree", "2"], 2, "does not support tensor parallel"),
+    (["--parallelism.expert_parallel_degree", "2"], 2, "does not support expert parallel"),
 ]
 
 

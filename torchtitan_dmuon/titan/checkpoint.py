@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -25,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 from torchtitan.components.checkpoint import ModelWrapper
 from torchtitan.components.lr_scheduler import LRSchedulersContainer
 
@@ -33,7 +35,7 @@ from torchtitan_dmuon.titan.parallelize import clean_fqn
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DMuonModelWrapper", "LRSchedulersWrapper"]
+__all__ = ["DMuonModelWrapper", "LRSchedulersWrapper", "as_saved", "load_into"]
 
 
 def _dedicated(model: nn.Module):
@@ -43,8 +45,31 @@ def _dedicated(model: nn.Module):
         return set(), {}
     fqns = {id(p): clean_fqn(n) for n, p in model.named_parameters()}
     every = {clean_fqn(d.name) for unit in dedication.units for d in unit.params}
-    owned = {fqns[id(param)]: master for param, master in dedication.primary_params()}
+    owned = {
+        fqns[id(param)]: as_saved(param, master) for param, master in dedication.primary_params()
+    }
     return every, owned
+
+
+def as_saved(param: nn.Parameter, local: torch.Tensor) -> torch.Tensor:
+    """What a checkpoint holds for a dedicated matrix's value or state: the tensor itself,
+    or under tensor parallelism this rank's shard as a DTensor laid out like ``param``
+    (DCP reassembles and reshards it; it shares ``local``'s storage, so loading into it
+    loads into ``local``)."""
+    if not isinstance(param, DTensor) or isinstance(local, DTensor):
+        return local
+    return DTensor.from_local(
+        local, param.device_mesh, param.placements, run_check=False,
+        shape=param.shape, stride=param.stride(),
+    )  # fmt: skip
+
+
+def load_into(target: torch.Tensor, loaded: torch.Tensor) -> None:
+    """Copy a loaded value into a dedicated matrix's local tensor, unless DCP already
+    loaded it in place."""
+    loaded = loaded.to_local() if isinstance(loaded, DTensor) else loaded
+    if loaded.data_ptr() != target.data_ptr():
+        target.copy_(loaded)
 
 
 class DMuonModelWrapper(ModelWrapper):
@@ -66,9 +91,8 @@ class DMuonModelWrapper(ModelWrapper):
         for model in self.model:
             every, owned = _dedicated(model)
             for fqn, master in owned.items():
-                loaded = state_dict[fqn]
-                if loaded is not master:  # DCP loads in place; a plain dict is copied
-                    master.copy_(loaded)
+                local = master.to_local() if isinstance(master, DTensor) else master
+                load_into(local, state_dict[fqn])
             if get_dedication(model) is not None:
                 get_dedication(model).refresh_from_masters()
             rest = {k: v for k, v in state_dict.items() if k not in every}

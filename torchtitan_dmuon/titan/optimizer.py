@@ -26,6 +26,7 @@ from torchtitan.components.optimizer import OptimizersContainer
 
 from torchtitan_dmuon.engine import clip_grad_norm_, get_dedication
 from torchtitan_dmuon.optimizer import Muon
+from torchtitan_dmuon.titan.checkpoint import as_saved, load_into
 from torchtitan_dmuon.titan.parallelize import clean_fqn, dmuon_settings, muon_predicate
 
 logger = logging.getLogger(__name__)
@@ -169,9 +170,10 @@ class DMuonOptimizersContainer(OptimizersContainer):
 
     # ---- topology-independent state ------------------------------------------------------
     def _entries(self):
-        """``(fqn, state dict of the parameter)`` for every parameter this rank saves and
-        loads, creating the zero state a fresh optimizer would (so keys exist before the
-        first step and DCP can load into them)."""
+        """``(fqn, state dict of the parameter, the parameter if Muon steps it here)`` for
+        every parameter this rank saves and loads, creating the zero state a fresh
+        optimizer would (so keys exist before the first step and DCP can load into
+        them)."""
         for model, optimizer in zip(self.model_parts, self.optimizers, strict=True):
             fqns = {id(p): clean_fqn(n) for n, p in model.named_parameters()}
             dedication = get_dedication(model)
@@ -183,13 +185,13 @@ class DMuonOptimizersContainer(OptimizersContainer):
                 state = optimizer.state[key]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(master)
-                yield fqns[id(key)], state
+                yield fqns[id(key)], state, key
             group = optimizer.param_groups[1]
             for p in group["params"]:
                 state = optimizer.state[p]
                 if not state:
                     state.update(_new_adamw_state(p, group))
-                yield fqns[id(p)], state
+                yield fqns[id(p)], state, None
 
     @staticmethod
     def _hyperparameters(optimizer: Muon):
@@ -201,8 +203,9 @@ class DMuonOptimizersContainer(OptimizersContainer):
 
     def state_dict(self) -> dict:
         sd = {
-            f"state.{fqn}.{key}": value
-            for fqn, state in self._entries()
+            # A tensor-parallel matrix's momentum is this rank's shard: saved as a DTensor.
+            f"state.{fqn}.{key}": value if muon_param is None else as_saved(muon_param, value)
+            for fqn, state, muon_param in self._entries()
             for key, value in state.items()
         }
         for name, group, key in self._hyperparameters(self.optimizers[0]):
@@ -212,10 +215,14 @@ class DMuonOptimizersContainer(OptimizersContainer):
     def load_state_dict(self, state_dict: dict) -> None:
         # DCP loads tensors in place into those state_dict() returned; a plain dict (not
         # from DCP) is copied.
-        for fqn, state in self._entries():
+        for fqn, state, muon_param in self._entries():
             for key, value in state.items():
                 loaded = state_dict.get(f"state.{fqn}.{key}")
-                if loaded is not None and loaded is not value:
+                if loaded is None or loaded is value:
+                    continue
+                if muon_param is not None and not isinstance(value, DTensor):
+                    load_into(value, loaded)
+                else:
                     value.copy_(loaded)
         for optimizer in self.optimizers:
             for name, group, key in list(self._hyperparameters(optimizer)):

@@ -66,7 +66,6 @@ def clean_fqn(name: str) -> str:
 
 def _unsupported(parallel_dims) -> list[str]:
     checks = {
-        "tensor parallel (parallelism.tensor_parallel_degree)": parallel_dims.tp_enabled,
         "expert parallel (parallelism.expert_parallel_degree)": parallel_dims.ep_enabled,
     }
     return [what for what, enabled in checks.items() if enabled]
