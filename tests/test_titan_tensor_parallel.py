@@ -20,7 +20,8 @@ def test_fsdp_tp_equals_fsdp_and_checkpoint_crosses_tp(tmp_path):
     values), FSDP 2 x TP 2 (4 ranks; each dedicated matrix's owner column runs the
     tensor-parallel Newton-Schulz) equals FSDP 2 (2 ranks, same data) within 1e-4 over 6
     steps; its step-3 checkpoint resumes at TP 1 and the curve continues within 1e-4.
-    With one data-parallel rank, TP 2 alone trains too."""
+    TP 2 alone (one data-parallel rank: the two TP ranks own every matrix together)
+    equals one rank without TP."""
     init = _seed_checkpoint(tmp_path)
     common = [
         "--training.steps", "6", "--metrics.log_freq", "1", *FP32_NS,
@@ -41,9 +42,10 @@ def test_fsdp_tp_equals_fsdp_and_checkpoint_crosses_tp(tmp_path):
         tmp_path / "resumed",
         CONFIG,
     )
-    alone = run_train([*common, *start, *TP2, "--parallelism.data_parallel_shard_degree", "1"],
-                      2, tmp_path / "alone", CONFIG)  # fmt: skip
-    for run in (tp, flat, resumed, alone):
+    dp1 = ["--parallelism.data_parallel_shard_degree", "1"]
+    alone = run_train([*common, *start, *TP2, *dp1], 2, tmp_path / "alone", CONFIG)
+    one = run_train([*common, *start, *dp1], 1, tmp_path / "one", CONFIG)
+    for run in (tp, flat, resumed, alone, one):
         assert run.returncode == 0, run.output[-3000:]
         assert all(map(math.isfinite, run.losses.values()))
     steps = list(range(1, 7))
@@ -56,4 +58,8 @@ def test_fsdp_tp_equals_fsdp_and_checkpoint_crosses_tp(tmp_path):
     assert [resumed.losses[s] for s in later] == pytest.approx(
         [tp.losses[s] for s in later], rel=1e-4
     )
-    assert alone.losses[6] < alone.losses[1]
+    assert "dedicate_params: 42 parameters (42 matrices), 6 boundaries, 6 units over 1 x 1" in (
+        alone.output
+    )
+    expected = [one.losses[s] for s in steps]
+    assert [alone.losses[s] for s in steps] == pytest.approx(expected, rel=1e-4)

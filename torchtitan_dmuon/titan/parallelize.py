@@ -191,7 +191,12 @@ def with_dedication(parallelize_fn: Callable) -> Callable:
                     f"{parallelize_fn.__module__}.{parallelize_fn.__name__} applied data "
                     "parallelism without apply_fsdp or apply_ddp, which DMuon hooks into"
                 )
-            # One data-parallel rank: this rank owns every matrix; Muon + AdamW, no engine.
+            if parallel_dims.tp_enabled and selects:
+                # One data-parallel rank under TP: the TP ranks own every matrix together
+                # and the engine runs the tensor-parallel Newton-Schulz (a 1-rank mesh:
+                # TorchTitan builds its fsdp dim even at size 1, but keeps it private).
+                _dedicate(model, parallel_dims._meshes["fsdp"], settings, z3)
+            # Without TP: this rank owns every matrix; plain Muon + AdamW, no engine.
             _SETTINGS[model] = settings
         return model
 
