@@ -1,5 +1,6 @@
 """Tensor parallelism with DMuon through ./run_train.sh: TorchTitan's 2d_eager case (FSDP 2
-x TP 2) equals FSDP 2 without TP, and a checkpoint saved under TP 2 resumes without TP."""
+x TP 2) and replicate 2 x TP 2 equal FSDP 2 without TP, a checkpoint saved under TP 2
+resumes without TP, TP alone equals one rank."""
 
 from __future__ import annotations
 
@@ -29,6 +30,13 @@ def test_fsdp_tp_equals_fsdp_and_checkpoint_crosses_tp(tmp_path):
     ]  # fmt: skip
     start = ["--checkpoint.initial_load_path", str(init), "--checkpoint.initial_load_model_only"]
     tp = run_train([*common, *start, *TP2, *DP2], 4, tmp_path / "tp", CONFIG)
+    replicate = ["--parallelism.data_parallel_replicate_degree", "2"]
+    ddp_tp = run_train(
+        [*common, *start, *TP2, *replicate, "--parallelism.data_parallel_shard_degree", "1"],
+        4,
+        tmp_path / "ddp_tp",
+        CONFIG,
+    )
     flat = run_train([*common, *start, *DP2], 2, tmp_path / "flat", CONFIG)
     resumed = run_train(
         [
@@ -45,11 +53,15 @@ def test_fsdp_tp_equals_fsdp_and_checkpoint_crosses_tp(tmp_path):
     dp1 = ["--parallelism.data_parallel_shard_degree", "1"]
     alone = run_train([*common, *start, *TP2, *dp1], 2, tmp_path / "alone", CONFIG)
     one = run_train([*common, *start, *dp1], 1, tmp_path / "one", CONFIG)
-    for run in (tp, flat, resumed, alone, one):
+    for run in (tp, ddp_tp, flat, resumed, alone, one):
         assert run.returncode == 0, run.output[-3000:]
         assert all(map(math.isfinite, run.losses.values()))
     steps = list(range(1, 7))
     assert [tp.losses[s] for s in steps] == pytest.approx([flat.losses[s] for s in steps], rel=1e-4)
+    # Replicate 2 x TP 2: DMuon's DDP-style sync beside TP (TorchTitan refuses its DDP there).
+    assert [ddp_tp.losses[s] for s in steps] == pytest.approx(
+        [flat.losses[s] for s in steps], rel=1e-4
+    )
     assert "tensor-parallel Newton-Schulz of (768, 256) split along dim -2 over 2 ranks: gram" in (
         tp.output
     )

@@ -112,10 +112,13 @@ class OtherParams:
             offset += numel
             if not has_grad:
                 continue
-            if p.grad is not None:
-                local_tensor(p.grad).copy_(mean.view_as(local_tensor(p.grad)))
-            elif isinstance(p, DTensor):  # tensor parallelism: this rank's shard
+            if isinstance(p, DTensor):  # tensor parallelism: laid out as the parameter
                 grad = mean.to(p.dtype, copy=True).view(local_tensor(p).shape)
-                p.grad = DTensor.from_local(grad, p.device_mesh, p.placements)
-            else:
+                p.grad = DTensor.from_local(
+                    grad, p.device_mesh, p.placements, run_check=False,
+                    shape=p.shape, stride=p.stride(),
+                )  # fmt: skip
+            elif p.grad is None:
                 p.grad = mean.to(p.dtype, copy=True)
+            else:
+                p.grad.copy_(mean.view_as(p.grad))

@@ -37,7 +37,12 @@ def flagged_grad_bucket(
     offset = 0
     for i, (p, local) in enumerate(zip(params, locals_, strict=True)):
         if p.grad is not None:
-            bucket[offset : offset + local.numel()].copy_(local_tensor(p.grad).reshape(-1))
+            grad = p.grad
+            if isinstance(grad, DTensor) and grad.placements != p.placements:
+                # A tensor-parallel gradient laid out otherwise (e.g. partial sums of
+                # an embedding's): this rank's shard, as the parameter is laid out.
+                grad = grad.redistribute(p.device_mesh, p.placements)
+            bucket[offset : offset + local.numel()].copy_(local_tensor(grad).reshape(-1))
             bucket[numel + i] = 1
         offset += local.numel()
     return bucket

@@ -16,6 +16,7 @@ TorchTitan's code, unchanged.
 from __future__ import annotations
 
 import contextlib
+import copy
 import fnmatch
 import functools
 import weakref
@@ -183,8 +184,22 @@ def with_dedication(parallelize_fn: Callable) -> Callable:
             # DDP-style: DMuon owns the matrices and keeps every other parameter in sync.
             _dedicate(model_, dp_mesh, settings, z3)
 
+        titan_dims = parallel_dims
+        ddp_beside_others = (
+            parallel_dims.dp_replicate_enabled
+            and not parallel_dims.fsdp_enabled
+            and parallel_dims.world_size != parallel_dims.dp_replicate
+        )
+        if ddp_beside_others:
+            # TorchTitan 0.2.2 refuses DDP with TP or PP ("DDP has not supported > 1D
+            # parallelism"); DMuon's DDP-style sync runs on the dp_replicate mesh alone, so
+            # TorchTitan sees no replication and DMuon dedicates afterwards.
+            titan_dims = copy.copy(parallel_dims)
+            titan_dims.dp_replicate = 1
         with _swapped(namespace, apply_fsdp=apply_fsdp, apply_ddp=apply_ddp) as originals:
-            model = parallelize_fn(model, parallel_dims, job_config)
+            model = parallelize_fn(model, titan_dims, job_config)
+        if ddp_beside_others and model not in _SETTINGS:
+            apply_ddp(model, parallel_dims.get_mesh("dp_replicate"))
         if model not in _SETTINGS:
             if parallel_dims.dp_enabled:
                 raise RuntimeError(
