@@ -209,6 +209,11 @@ BAD_INPUT = [
     (["--dmuon.params", "layers.*.nonexistent.weight"], 2, "matches no parameter"),
     (["--dmuon.params", "layers.*.attention_norm.weight"], 2, "only 2-D matrices"),
     (["--parallelism.expert_parallel_degree", "2"], 2, "does not support expert parallel"),
+    (
+        ["--parallelism.tensor_parallel_degree", "2", "--compile.enable"],
+        2,
+        "does not support compile.enable together with parallelism.tensor_parallel_degree",
+    ),
 ]
 
 
