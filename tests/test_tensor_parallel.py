@@ -20,10 +20,10 @@ from tests.models import TokenModel, batch, loss_fn, proj_predicate
 from tests.workers import (
     ADAMW_KW,
     MUON_KW,
-    REFERENCE_ADAMW_KW,
     as_muon_adamw_kwargs,
     full_params,
     reference_setup,
+    train_one_process,
 )
 from torchtitan_dmuon import Muon, dedicate_params
 
@@ -86,18 +86,9 @@ def test_tensor_parallel_matches_one_process():
     by_rank = run_distributed(tp_worker, DP * TP, timeout=240)
     with reference_setup(torch.float32):
         model = _model()
-        muon = [p for n, p in model.named_parameters() if proj_predicate(n, p)]
-        rest = [p for n, p in model.named_parameters() if not proj_predicate(n, p)]
-        opts = [torch.optim.Muon(muon, **MUON_KW), torch.optim.AdamW(rest, **REFERENCE_ADAMW_KW)]
-        expected = []
-        for step in range(STEPS):
-            for o in opts:
-                o.zero_grad()
-            loss = loss_fn(model, *batch(100 + step, SAMPLES, SEQ, VOCAB))
-            loss.backward()
-            for o in opts:
-                o.step()
-            expected.append(loss.item())
+        expected = train_one_process(
+            model, STEPS, lambda m, step: loss_fn(m, *batch(100 + step, SAMPLES, SEQ, VOCAB))
+        )
     losses = [sum(step) / DP for step in zip(*(r["losses"] for r in by_rank[::TP]), strict=True)]
     torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6)
     reference = dict(model.named_parameters())

@@ -82,10 +82,8 @@ def clip_grad_norm_(
         )
         for group in dedications[0].data_parallel_groups():
             dist.all_reduce(owned_sq, op=dist.ReduceOp.SUM, group=group)
-        if dedications[0].tp_group is not None:
-            shards_sq = owned_sq[1:].clone()
-            dist.all_reduce(shards_sq, op=dist.ReduceOp.SUM, group=dedications[0].tp_group)
-            owned_sq = torch.cat([owned_sq[:1], shards_sq])
+        if dedications[0].tp_group is not None:  # the shards' part, in place
+            dist.all_reduce(owned_sq[1:], op=dist.ReduceOp.SUM, group=dedications[0].tp_group)
         total_sq = total_sq + owned_sq.sum()
     if pp_group is not None:
         dist.all_reduce(total_sq, op=dist.ReduceOp.SUM, group=pp_group)

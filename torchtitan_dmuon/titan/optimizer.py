@@ -36,6 +36,7 @@ __all__ = ["DMuonOptimizersContainer", "build_dmuon_optimizers"]
 
 def _muon_kwargs(model: nn.Module, optimizer_config) -> dict:
     settings = dmuon_settings(model)  # its choice fields were checked at parse time
+    dedicated = get_dedication(model) is not None
     return dict(
         lr=settings.lr,
         momentum=settings.momentum,
@@ -53,9 +54,9 @@ def _muon_kwargs(model: nn.Module, optimizer_config) -> dict:
         # [optimizer] implementation, mapped as TorchTitan maps it for its own AdamW.
         adamw_foreach=optimizer_config.implementation == "foreach",
         adamw_fused=optimizer_config.implementation == "fused",
-        replicate_async=settings.replicate_async and get_dedication(model) is not None,
+        replicate_async=settings.replicate_async and dedicated,
         # One data-parallel rank (no dedication): the [dmuon] patterns select in place.
-        predicate=None if get_dedication(model) is not None else muon_predicate(settings),
+        predicate=None if dedicated else muon_predicate(settings),
     )
 
 
