@@ -146,9 +146,12 @@ def test_rank_that_owns_nothing_still_trains():
         _assert_params_close(r[0], reference, rtol=1e-4, atol=1e-5)
 
 
-def test_stacked_experts_have_one_owner_and_match_muon_per_expert():
-    """A 3-D experts weight is dedicated whole (one owner, one broadcast, NS batched over
-    its experts) and trains like torch.optim.Muon with one 2-D parameter per expert."""
+def test_stacked_experts_are_owned_per_expert_and_match_muon_per_expert():
+    """A 3-D experts weight (6 experts) is split into one piece of contiguous experts per
+    rank (2, 2, 1, 1 experts on 4 ranks), each with its own owner, balanced with the
+    dense matrices; it trains like torch.optim.Muon with one 2-D parameter per expert,
+    each expert orthogonalized once per step across the job; between steps a rank holds
+    the values of its column's units only, never a whole stack."""
     experts = dict(
         model_kwargs=dict(block=ExpertBlock),
         predicate=proj_or_experts_predicate,
@@ -157,6 +160,7 @@ def test_stacked_experts_have_one_owner_and_match_muon_per_expert():
     )
     configs = [
         dict(experts, fsdp=True, z3=True),
+        dict(experts, fsdp=True, z3=False),
         dict(experts, hsdp_shape=(2, 2), replicate_async=True),
     ]
     by_rank = run_distributed(train_configs, 4, configs)
@@ -168,15 +172,26 @@ def test_stacked_experts_have_one_owner_and_match_muon_per_expert():
         prefix = f"layers.{layer}.experts_proj_split."
         split = [ref_params.pop(f"{prefix}{e}") for e in range(ExpertBlock.experts)]
         ref_params[f"layers.{layer}.experts_proj"] = torch.stack(split)
-    for config_index in range(len(configs)):
-        runs = [r[config_index] for r in by_rank]
+    pieces = ["[0:2]", "[2:4]", "[4:5]", "[5:6]"]
+    stack_numel = ExpertBlock.experts * 32 * 64
+    dense_numel = 4 * 32 * 32 + 2 * 32 * 64
+    for config, runs in zip(configs, zip(*by_rank, strict=True), strict=True):
         for result in runs:
             assert result["losses"] == pytest.approx(reference["losses"], rel=1e-4)
             _assert_params_close(result, reference, rtol=1e-4, atol=1e-5)
         owners = [name for r in runs for name in r["owned"]]
         assert sorted(owners) == sorted(
-            [f"layers.{i}.{n}" for i in range(2) for n in ("experts_proj",) + PROJ_NAMES]
+            [f"layers.{i}.{n}" for i in range(2) for n in PROJ_NAMES]
+            + [f"layers.{i}.experts_proj{p}" for i in range(2) for p in pieces]
         )
+        for layer in range(2):  # each rank owns one piece of each stack
+            stack = f"layers.{layer}.experts_proj["
+            assert [sum(n.startswith(stack) for n in r["owned"]) for r in runs] == [1] * 4
         # Every expert matrix is orthogonalized once per step, on its owner only.
         matrices_per_step = 2 * (len(PROJ_NAMES) + ExpertBlock.experts)
         assert sum(r["ns_matrices"] for r in runs) == 6 * matrices_per_step
+        # Values held between steps: each unit once per replica, on its column.
+        replicas = config.get("hsdp_shape", (1,))[0]
+        held = [r["memory"]["params"] // 4 for r in runs]
+        assert sum(held) == 2 * (dense_numel + stack_numel) * replicas
+        assert max(held) < 2 * stack_numel

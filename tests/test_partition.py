@@ -1,8 +1,16 @@
 """Owner assignment (pure Python, no process group)."""
 
 import pytest
+import torch
+from torch import nn
 
-from torchtitan_dmuon.engine.partition import PartitionItem, assign_owners, load_balance
+from torchtitan_dmuon.engine.partition import (
+    PartitionItem,
+    assign_owners,
+    expert_ranges,
+    load_balance,
+)
+from torchtitan_dmuon.engine.plan import build_plan
 from torchtitan_dmuon.optim.newton_schulz import ns_flops
 
 
@@ -39,3 +47,78 @@ def test_more_ranks_than_matrices_leaves_ranks_empty():
 def test_rejects_no_ranks():
     with pytest.raises(ValueError, match="num_ranks"):
         assign_owners([PartitionItem(1, 0)], 0)
+
+
+def test_expert_ranges_are_contiguous_and_even():
+    assert expert_ranges(6, 4) == [(0, 2), (2, 4), (4, 5), (5, 6)]
+    assert expert_ranges(128, 8) == [(16 * i, 16 * (i + 1)) for i in range(8)]
+    assert expert_ranges(3, 3) == [(0, 1), (1, 2), (2, 3)]
+    with pytest.raises(ValueError, match="cannot split 3 experts into 4"):
+        expert_ranges(3, 4)
+
+
+def test_pieces_of_one_stack_go_to_distinct_owners():
+    # Without the stack rule the two light pieces would join the heavy ones' ranks
+    # (fewest items of the boundary first); with it each rank gets one piece.
+    items = [PartitionItem(100, 0), PartitionItem(90, 0)]
+    items += [PartitionItem(10, 0, stack=1) for _ in range(4)]
+    owners = assign_owners(items, 4)
+    assert sorted(owners[2:]) == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="stack 1 has more pieces than the 2 ranks"):
+        assign_owners(items, 2)
+
+
+class _MoEBlock(nn.Module):
+    """Llama-4-like: attention, a shared expert and 8 routed experts stored stacked."""
+
+    def __init__(self, dim=256, hidden=512, experts=8):
+        super().__init__()
+        self.attention = nn.ModuleList(nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.shared = nn.ModuleList(
+            [nn.Linear(dim, hidden, bias=False), nn.Linear(hidden, dim, bias=False)]
+        )
+        self.w1 = nn.Parameter(torch.empty(experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(experts, hidden, dim))
+
+
+def _moe_plan(slots):
+    with torch.device("meta"):
+        model = nn.ModuleDict({"layers": nn.ModuleList(_MoEBlock() for _ in range(3))})
+    selected = [(n, p) for n, p in model.named_parameters() if p.ndim >= 2]
+    blocks = set(model["layers"])
+    return build_plan(
+        model,
+        selected,
+        shard_size=slots,
+        replicate_size=1,
+        hook_boundary_predicate=lambda name, module: module in blocks,
+    )
+
+
+def test_split_stacks_balance_ns_cost_and_held_bytes():
+    """Each stack is split into one piece per rank (8 experts on 4 ranks: 2 each): the
+    per-rank NS cost and the bytes held between steps are balanced where one owner per
+    stack is not."""
+    plan = _moe_plan(4)
+    for boundary in plan.boundaries:
+        for stack in ("w1", "w2", "w3"):
+            pieces = [
+                (u.column, d.experts) for u in boundary.units for d in u.params
+                if d.name.endswith(stack)
+            ]  # fmt: skip
+            assert sorted(c for c, _ in pieces) == [0, 1, 2, 3]
+            assert sorted(e for _, e in pieces) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    held = plan.held_bytes(value_bytes=2, state_bytes=8)
+    assert plan.balance() <= 1.10
+    assert max(held) / (sum(held) / len(held)) <= 1.25
+    # The same matrices with one owner per stack (each as one item of its full cost).
+    items, sizes = [], []
+    for boundary in plan.boundaries:
+        for p in boundary.parameters:
+            items.append(PartitionItem(ns_flops(p.shape, 1), 0))
+            sizes.append(p.numel())
+    owners = assign_owners(items, 4)
+    whole_held = [sum(s for s, o in zip(sizes, owners, strict=True) if o == r) for r in range(4)]
+    assert load_balance(items, owners, 4) > plan.balance()
+    assert max(whole_held) / (sum(whole_held) / 4) > max(held) / (sum(held) / len(held))

@@ -201,7 +201,13 @@ def train_dmuon(
         "norms": norms,
         "params": full_params(model, names),
         "ns_matrices": opt.ns_matrices,
-        "owned": sorted(d.name for u in dedication.units if u.primary for d in u.params),
+        # A piece of a split stack as "name[start:stop]".
+        "owned": sorted(
+            d.name if d.experts is None else f"{d.name}[{d.experts[0]}:{d.experts[1]}]"
+            for u in dedication.units
+            if u.primary
+            for d in u.params
+        ),
         "memory": dedication.memory_bytes(),
         "snapshot": snapshot,
         "events": events,

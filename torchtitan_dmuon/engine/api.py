@@ -50,15 +50,23 @@ def get_full_param(model: nn.Module, name: str) -> torch.Tensor:
     if dedication is None:
         raise ValueError("model was not prepared by dedicate_params")
     found = [(u, d) for u in dedication.units for d in u.params if d.name == name]
+    found.sort(key=lambda entry: entry[1].experts or (0, 0))  # a split stack's pieces
     if not found:
         raise KeyError(f"{name!r} is not a dedicated parameter")
-    unit, d = found[0]
     if not dedication.initialized:
-        return d.param.detach().clone()
+        return found[0][1].param.detach().clone()
+    # A split stack: its pieces in expert order, each from its owner (the same order
+    # on every rank, so the broadcasts match).
+    pieces = [_read_entry(dedication, unit, d) for unit, d in found]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def _read_entry(dedication: Dedication, unit, d) -> torch.Tensor:
+    """The current value of one matrix or piece, on every rank."""
     if unit.primary:
         value = unit.master_view(d).clone()
     else:
-        value = torch.empty(d.local_shape, dtype=unit.master_dtype, device=unit.flat.device)
+        value = torch.empty(d.local_shape, dtype=unit.master_dtype, device=unit.device)
     replicas = dedication.replicas
     if replicas is not None and unit.holds:
         replicas.wait(unit)
@@ -127,7 +135,8 @@ def _ancestors(name: str) -> list[str]:
 def verify_plan(dedication: Dedication) -> None:
     """Check that every data-parallel rank holds the same plan and sits where the
     (replicate, shard) layout says: one small all-gather over the shard group, one over
-    the replicate group (HSDP).
+    the replicate group (HSDP). The same gathers tell each rank the global rank of
+    every owner slot (``Dedication.slot_ranks``, which checkpoints of split stacks name).
 
     Both gathers run before anything is judged, and the second carries each shard
     group's verdict, so every rank of the data-parallel groups raises alike and a
@@ -138,19 +147,24 @@ def verify_plan(dedication: Dedication) -> None:
     if dedication.mesh.device_type != "cpu":
         device = torch.device(dedication.mesh.device_type, torch.accelerator.current_device_index())
     fingerprint = dedication.plan.fingerprint(dedication.settings.reshard_after_forward)
-    mine = [fingerprint, dedication.replicate_rank, dedication.shard_rank]
+    mine = [fingerprint, dedication.replicate_rank, dedication.shard_rank, dist.get_rank()]
     shard_table = _all_gather_rows(mine, dedication.shard_group, device)
     error = _layout_error(shard_table, "shard")
+    # Global ranks of this replica's columns, in column order (when the layout holds).
+    columns = [row[3] for row in sorted(shard_table, key=lambda row: row[2])]
+    slot_ranks = columns
     if dedication.replicas is not None:
-        rows = _all_gather_rows(mine + [error is None], dedication.replicas.group, device)
+        rows = _all_gather_rows(mine + [error is None] + columns, dedication.replicas.group, device)
         error = error or _layout_error([row[:3] for row in rows], "replicate")
-        if error is None and not all(row[3] for row in rows):
+        if error is None and not all(row[4] for row in rows):
             error = RuntimeError(
                 "the ranks of another replica's shard group disagree about the dedication "
                 "plan or layout (see the error on those ranks)"
             )
+        slot_ranks = [rank for row in sorted(rows, key=lambda row: row[1]) for rank in row[5:]]
     if error is not None:
         raise error
+    dedication.slot_ranks = slot_ranks
 
 
 def _all_gather_rows(row: list[int], group: dist.ProcessGroup, device) -> list[list[int]]:
@@ -307,8 +321,8 @@ def dedicate_params(
     logger.info(
         "dedicate_params: %d parameters (%d matrices), %d boundaries, %d units over "
         "%d x %d ranks, NS balance %.3f, %s",
-        len(plan.params),
-        sum(matrix_count(d.param.shape) for d in plan.params),
+        len(dedication.params),
+        sum(matrix_count(d.shape) for d in plan.params),
         len(plan.boundaries),
         len(plan.units),
         plan.replicate_size,

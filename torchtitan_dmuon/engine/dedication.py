@@ -25,10 +25,10 @@ from torch.profiler import record_function
 from torchtitan_dmuon.engine import comm, patches
 from torchtitan_dmuon.engine.hooks import HookDriver
 from torchtitan_dmuon.engine.others import OtherParams
-from torchtitan_dmuon.engine.plan import Plan
+from torchtitan_dmuon.engine.plan import DedicatedParam, Plan
 from torchtitan_dmuon.engine.replicas import Replicas
 from torchtitan_dmuon.engine.settings import DedicationSettings
-from torchtitan_dmuon.engine.unit import Unit
+from torchtitan_dmuon.engine.unit import ExpertStack, Unit
 from torchtitan_dmuon.optim.sharded_ns import (
     gathered_newton_schulz,
     sharded_newton_schulz,
@@ -66,6 +66,7 @@ class Dedication:
             step under Z2).
         pipeline_stage: The index of the pipeline stage that drives it, if any.
         synced_backwards: Backwards that reduced gradients since the last step.
+        slot_ranks: The global rank of each owner slot (set by ``verify_plan``).
     """
 
     def __init__(
@@ -118,6 +119,7 @@ class Dedication:
         self.reshard_after_backward = True
         self.pipeline_stage: int | None = None
         self.synced_backwards = 0
+        self.slot_ranks: list[int] | None = None
         self.initialized = False
         for d in plan.params:
             module_name, _, param_name = d.name.rpartition(".")
@@ -133,7 +135,8 @@ class Dedication:
 
     @property
     def params(self) -> list[nn.Parameter]:
-        return [d.param for d in self.plan.params]
+        """The dedicated parameters, each once."""
+        return [p for b in self.plan.boundaries for p in b.parameters]
 
     def process_groups(self) -> list[dist.ProcessGroup]:
         """The engine's own groups: shard (broadcasts), reduce (stage-1 reduces, the same
@@ -170,6 +173,15 @@ class Dedication:
             param_dtype, reduce_dtype = _mixed_precision_of(self.model, boundary.name)
             for unit in units:
                 unit.bind(param_dtype, reduce_dtype)
+            # After the units read their pieces: the stacks take over the parameters.
+            split = {d.name: d.param for d in boundary.params if d.experts is not None}
+            stacks = {
+                name: ExpertStack(param, param_dtype or param.dtype)
+                for name, param in split.items()
+            }
+            for unit in units:
+                unit.stacks = {d.name: stacks[d.name] for d in unit.params if d.experts}
+        self._log_balance()
         names = {d.name for d in self.plan.params}
         self.others = OtherParams(self.model, names, self.data_parallel_groups())
         self.others.broadcast_from_rank0(self.model)
@@ -178,13 +190,17 @@ class Dedication:
         self.initialized = True
 
     # ---- what the hooks call -----------------------------------------------------------------
-    def gather(self, unit: Unit) -> dist.Work:
-        """Materialize ``unit`` in this shard group: a broadcast from its column, once the
-        column has the latest values from the primary replica."""
+    def gather(self, unit: Unit) -> list[dist.Work]:
+        """Materialize ``unit`` in this shard group: a broadcast of each of its buffers
+        from its column, once the column has the latest values from the primary replica
+        (:meth:`Unit.copy_out_pieces` follows once they land)."""
         if self.replicas is not None:
             self.replicas.wait(unit)
         unit.allocate()
-        return comm.broadcast(unit.flat, unit.column, self.shard_group, self.stats)
+        return [
+            comm.broadcast(buffer, unit.column, self.shard_group, self.stats)
+            for buffer in unit.buffers
+        ]
 
     def replicas_landed(self, boundary: int) -> bool:
         return self.replicas is None or self.replicas.landed(self.boundary_units[boundary])
@@ -193,7 +209,7 @@ class Dedication:
         """Stage 1: pack the local gradients, free the values outside the column and SUM
         the bucket onto the unit's column inside this shard group."""
         bucket = unit.pack_grads()
-        unit.free()
+        unit.free()  # the caller drops the gradients
         work = comm.reduce_sum(bucket, unit.column, self.reduce_group, self.stats)
         return PendingReduce(unit, bucket, work)
 
@@ -276,10 +292,11 @@ class Dedication:
                 i += 1
         return out
 
-    def primary_params(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
-        """``(param, master)`` of every matrix this rank is the primary owner of: what a
-        checkpoint saves from this rank (and loads into it)."""
-        return [(d.param, u.master_view(d)) for u in self.units if u.primary for d in u.params]
+    def primary_params(self) -> list[tuple[DedicatedParam, torch.Tensor]]:
+        """``(entry, master)`` of every matrix and piece this rank is the primary owner
+        of: what a checkpoint saves from this rank (and loads into it). A rank owns at
+        most one piece of each stack."""
+        return [(d, u.master_view(d)) for u in self.units if u.primary for d in u.params]
 
     def zero_grad(self) -> None:
         for unit in self.units:
@@ -333,6 +350,22 @@ class Dedication:
         if self.replicas is not None:
             self.replicas.wait_all()
 
+    def piece_owners(self, name: str) -> list[tuple[tuple[int, int], int]]:
+        """``(experts, global rank of the primary owner)`` of each piece of the split stack
+        ``name``, in expert order (needs ``verify_plan``, which ``Muon`` runs)."""
+        if self.slot_ranks is None:
+            raise RuntimeError(
+                "the owners' global ranks are not known yet: build the Muon optimizer on "
+                "the model first (it verifies the plan across ranks)"
+            )
+        pieces = [
+            (d.experts, self.slot_ranks[u.primary_replica * self.shard_size + u.column])
+            for u in self.plan.units
+            for d in u.params
+            if d.name == name and d.experts is not None
+        ]
+        return sorted(pieces)
+
     # ---- tensor parallelism -----------------------------------------------------------------
     def split_dim_of(self, param: nn.Parameter) -> int | None:
         """The dim a tensor-parallel dedicated matrix is split along, else None."""
@@ -383,6 +416,28 @@ class Dedication:
     def balance(self) -> float:
         """Max over mean NS load over all ranks (1.0 is perfect)."""
         return self.plan.balance()
+
+    def held_bytes(self) -> list[int]:
+        """Bytes each rank (slot order) keeps between steps for dedicated matrices (values,
+        masters and momentum), from the plan and the bound dtypes."""
+        unit = self.units[0]
+        compute_dtype = unit.buffers[0].dtype
+        mixed = compute_dtype != unit.master_dtype  # a master beside the momentum
+        state_bytes = unit.master_dtype.itemsize * (2 if mixed else 1)
+        return self.plan.held_bytes(compute_dtype.itemsize, state_bytes)
+
+    def _log_balance(self) -> None:
+        held = self.held_bytes()
+        logger.info(
+            "dmuon: per-rank Newton-Schulz cost max/mean %.3f, held dedicated bytes "
+            "(values + masters + momentum) max/mean %.3f (max %.1f MiB), %d stacks split "
+            "into %d pieces",
+            self.balance(),
+            max(held) / (sum(held) / len(held)),
+            max(held) / 2**20,
+            len({d.name for d in self.plan.params if d.experts is not None}),
+            sum(1 for d in self.plan.params if d.experts is not None),
+        )
 
     def memory_bytes(self) -> dict[str, int]:
         """What this rank keeps between steps for dedicated matrices: ``params`` (values

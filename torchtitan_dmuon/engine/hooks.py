@@ -102,7 +102,7 @@ class HookDriver:
         self.forward_gathers = _Sequence(forward_order, self._issue_gather)
         self.backward_gathers = _Sequence(backward_order, self._issue_gather)
         self.reduce_sequence = _Sequence(backward_order, self._issue_reduce)
-        self._expected = [sum(1 for _ in b.params) for b in dedication.plan.boundaries]
+        self._expected = [len(b.parameters) for b in dedication.plan.boundaries]
         self._grad_counts = [0] * n
         self._reduce_ready = [False] * n
         self._handles: list = []
@@ -155,19 +155,24 @@ class HookDriver:
             return
         self._resident.add(b)
         with record_function(f"dmuon::gather b{b}"):
-            self._gathers[b] = [self.d.gather(u) for u in self.d.boundary_units[b]]
+            self._gathers[b] = [w for u in self.d.boundary_units[b] for w in self.d.gather(u)]
 
     def _wait_gather(self, b: int) -> None:
-        works = self._gathers.pop(b, ())
-        if works:
-            with record_function(f"dmuon::wait_gather b{b}"):
-                for work in works:
-                    work.wait()
+        works = self._gathers.pop(b, None)
+        if works is None:
+            return
+        with record_function(f"dmuon::wait_gather b{b}"):
+            for work in works:
+                work.wait()
+            for unit in self.d.boundary_units[b]:
+                unit.copy_out_pieces()
 
     def _issue_reduce(self, b: int) -> None:
         with record_function(f"dmuon::reduce b{b}"):
             for unit in self.d.boundary_units[b]:
                 self._reduces.append(self.d.reduce_to_column(unit))
+            for param in self.d.plan.boundaries[b].parameters:
+                param.grad = None  # packed (a stack's pieces by several units)
             self._resident.discard(b)  # reduce_to_column freed the values
             self.d.start_second_stages(self._reduces, wait=False)
 

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan_dmuon.engine import comm
 from torchtitan_dmuon.engine.plan import local_tensor
 from torchtitan_dmuon.engine.settings import DedicationSettings
-from torchtitan_dmuon.engine.unit import flagged_grad_bucket
+from torchtitan_dmuon.engine.unit import flagged_grad_bucket, local_grad
 
 __all__ = ["OtherParams"]
 
@@ -100,7 +100,12 @@ class OtherParams:
         if not self.params:
             return
         dtype = functools.reduce(torch.promote_types, (p.dtype for p in self.params))
-        bucket = flagged_grad_bucket(self.params, dtype, self.params[0].device)
+        bucket = flagged_grad_bucket(
+            [local_grad(p) for p in self.params],
+            [local_tensor(p).numel() for p in self.params],
+            dtype,
+            self.params[0].device,
+        )
         numel = bucket.numel() - len(self.params)
         for group in self._groups:
             comm.all_reduce_sum(bucket, group, stats).wait()

@@ -7,6 +7,10 @@ without HSDP). Slot ``s`` lives in shard-group *column* ``s % G`` of every repli
 *primary* replica is ``s // G``: the column rank of each replica holds the matrix (to serve
 the broadcasts of its shard group), and the primary alone keeps the master and momentum
 and runs Newton-Schulz.
+
+A 3-D stack of matrices (a layer's MoE experts) is split along dim 0 into up to one
+contiguous group of experts per slot, each group a *piece* with an owner of its own; the
+model still sees one stacked parameter.
 """
 
 from __future__ import annotations
@@ -20,7 +24,12 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from torchtitan_dmuon.engine.partition import PartitionItem, assign_owners, load_balance
+from torchtitan_dmuon.engine.partition import (
+    PartitionItem,
+    assign_owners,
+    expert_ranges,
+    load_balance,
+)
 from torchtitan_dmuon.optim.newton_schulz import ns_flops
 
 __all__ = [
@@ -44,7 +53,7 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 @dataclass(eq=False)
 class DedicatedParam:
-    """A matrix parameter with one owner slot.
+    """A matrix parameter, or a piece of a 3-D stack, with one owner slot.
 
     Under tensor parallelism the parameter is a DTensor sharded along one of its two
     dims over a 1-D tensor-parallel mesh; the engine moves and stores its local shard,
@@ -54,16 +63,29 @@ class DedicatedParam:
         name: Fully qualified name in the model.
         param: The module's current parameter object (re-bound by name when a
             conversion such as ``to_empty`` registers a new one).
-        offset: Its offset in its unit's flat buffer.
+        experts: For a piece of a stack split among owners, its ``[start, stop)`` along
+            dim 0; None for a whole parameter.
+        offset: Its offset in its unit's layout (see :class:`UnitPlan`).
     """
 
     name: str
     param: nn.Parameter
+    experts: tuple[int, int] | None = None
     offset: int = 0
+
+    @property
+    def shape(self) -> torch.Size:
+        """The shape of what this entry dedicates (a piece's, for a split stack)."""
+        if self.experts is None:
+            return self.param.shape
+        start, stop = self.experts
+        return torch.Size((stop - start, *self.param.shape[1:]))
 
     @property
     def local_shape(self) -> torch.Size:
         """The shape this rank stores (its shard's under tensor parallelism)."""
+        if self.experts is not None:
+            return self.shape
         return local_tensor(self.param).shape
 
     @property
@@ -82,11 +104,14 @@ class DedicatedParam:
 class UnitPlan:
     """The matrices of one boundary that share an owner slot: one collective each way.
 
+    Its layout (of masters, gradients and reduce buckets) puts the whole matrices first,
+    in model order, then the pieces of split stacks.
+
     Attributes:
         boundary: Index of its boundary (forward order).
         column: Shard-group rank that holds the unit in every replica.
         primary_replica: Replicate-group rank of the primary owner.
-        params: Its matrices, in model order, with their offsets in the flat buffer.
+        params: Its matrices and pieces, in layout order, with their offsets.
     """
 
     boundary: int
@@ -97,6 +122,11 @@ class UnitPlan:
     @property
     def numel(self) -> int:
         return sum(d.numel for d in self.params)
+
+    @property
+    def whole_numel(self) -> int:
+        """Elements of its whole matrices (the layout's first part)."""
+        return sum(d.numel for d in self.params if d.experts is None)
 
 
 @dataclass(eq=False)
@@ -118,6 +148,11 @@ class Boundary:
         for unit in self.units:
             yield from unit.params
 
+    @property
+    def parameters(self) -> list[nn.Parameter]:
+        """Its parameters, each once (a split stack has a piece in several units)."""
+        return list({id(d.param): d.param for d in self.params}.values())
+
 
 @dataclass(eq=False)
 class Plan:
@@ -135,6 +170,10 @@ class Plan:
     def params(self) -> list[DedicatedParam]:
         return [d for b in self.boundaries for d in b.params]
 
+    @property
+    def slots(self) -> int:
+        return self.shard_size * self.replicate_size
+
     def fingerprint(self, *extra) -> int:
         """A hash of the plan (and of ``extra`` settings); equal on every rank iff they
         agree on it."""
@@ -142,7 +181,8 @@ class Plan:
         for i, b in enumerate(self.boundaries):
             for u in b.units:
                 for d in u.params:
-                    key = (i, b.name, d.name, tuple(d.param.shape), u.column, u.primary_replica)
+                    key = (i, b.name, d.name, tuple(d.param.shape), d.experts)
+                    key += (u.column, u.primary_replica)
                     h.update(repr(key).encode())
         return int.from_bytes(h.digest()[:7], "little")
 
@@ -151,9 +191,24 @@ class Plan:
         items, owners = [], []
         for unit in self.units:
             for d in unit.params:
-                items.append(PartitionItem(ns_flops(d.param.shape, 1), 0))
+                items.append(PartitionItem(ns_flops(d.shape, 1), 0))
                 owners.append(unit.primary_replica * self.shard_size + unit.column)
-        return load_balance(items, owners, self.shard_size * self.replicate_size)
+        return load_balance(items, owners, self.slots)
+
+    def held_bytes(self, value_bytes: int, state_bytes: int) -> list[int]:
+        """Bytes each rank (slot order) keeps between steps for dedicated matrices: the
+        values of every unit of its column (``value_bytes`` per element) and the state of
+        the units it is the primary of (``state_bytes`` per element: momentum, and a
+        master under mixed precision)."""
+        column = [0] * self.shard_size
+        own = [0] * self.slots
+        for unit in self.units:
+            column[unit.column] += unit.numel
+            own[unit.primary_replica * self.shard_size + unit.column] += unit.numel
+        return [
+            column[s % self.shard_size] * value_bytes + own[s] * state_bytes
+            for s in range(self.slots)
+        ]
 
 
 def default_boundary_modules(model: nn.Module) -> set[nn.Module]:
@@ -189,7 +244,9 @@ def build_plan(
 
     Boundaries come in module (forward) order, so that collectives follow one fixed
     sequence on every rank; slots come from one global LPT partition over all
-    ``replicate_size * shard_size`` ranks.
+    ``replicate_size * shard_size`` ranks, in which each 3-D stack (not tensor-parallel)
+    takes part as ``min(stack size, slots)`` pieces of contiguous experts on different
+    slots.
 
     Raises:
         ValueError: one boundary's matrices mix dtypes or devices (one flat buffer each).
@@ -200,18 +257,28 @@ def build_plan(
         def hook_boundary_predicate(name: str, module: nn.Module) -> bool:
             return module in blocks
 
-    names = [_boundary_name(name, model, hook_boundary_predicate) for name, _ in selected]
+    names = {name: _boundary_name(name, model, hook_boundary_predicate) for name, _ in selected}
     module_order = {module: i for i, module in enumerate(model.modules())}
-    boundary_names = sorted(set(names), key=lambda n: module_order[model.get_submodule(n)])
+    boundary_names = sorted(set(names.values()), key=lambda n: module_order[model.get_submodule(n)])
     index = {n: i for i, n in enumerate(boundary_names)}
-    items = [
-        PartitionItem(ns_flops(p.shape, 1), index[b])
-        for (_, p), b in zip(selected, names, strict=True)
-    ]
-    slots = assign_owners(items, shard_size * replicate_size)
+    num_slots = shard_size * replicate_size
+    entries, items = [], []
+    for stack, (name, p) in enumerate(selected):
+        if p.ndim == 3 and not isinstance(p, DTensor) and p.shape[0] > 1:
+            ranges = expert_ranges(p.shape[0], min(p.shape[0], num_slots))
+            entries += [DedicatedParam(name=name, param=p, experts=r) for r in ranges]
+            items += [
+                PartitionItem(ns_flops((stop - start, *p.shape[1:]), 1), index[names[name]], stack)
+                for start, stop in ranges
+            ]
+        else:
+            entries.append(DedicatedParam(name=name, param=p))
+            items.append(PartitionItem(ns_flops(p.shape, 1), index[names[name]]))
+    slots = assign_owners(items, num_slots)
 
     boundaries = [Boundary(name=n, module=model.get_submodule(n)) for n in boundary_names]
-    for (name, p), bname, slot in zip(selected, names, slots, strict=True):
+    for entry, slot in zip(entries, slots, strict=True):
+        bname = names[entry.name]
         boundary = boundaries[index[bname]]
         column, replica = slot % shard_size, slot // shard_size
         unit = next(
@@ -221,9 +288,11 @@ def build_plan(
         if unit is None:
             unit = UnitPlan(index[bname], column, replica, params=[])
             boundary.units.append(unit)
-        unit.params.append(DedicatedParam(name=name, param=p))
+        unit.params.append(entry)
     for boundary in boundaries:
         boundary.units.sort(key=lambda u: (u.primary_replica, u.column))
+        for unit in boundary.units:  # whole matrices first (stable: model order)
+            unit.params.sort(key=lambda d: d.experts is not None)
         kinds = {(d.param.dtype, d.param.device.type) for d in boundary.params}
         if len(kinds) > 1:
             raise ValueError(

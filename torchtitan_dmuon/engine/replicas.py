@@ -33,7 +33,7 @@ class Replicas:
         self.rank = rank
         self.size = size
         self._stats = stats
-        self._in_flight: dict[Unit, dist.Work] = {}
+        self._in_flight: dict[Unit, list[dist.Work]] = {}
 
     def reduce_to_primary(self, unit: Unit, bucket: torch.Tensor) -> dist.Work:
         """SUM a column's bucket across replicas onto the primary replica."""
@@ -48,26 +48,33 @@ class Replicas:
             for unit in units:
                 if not unit.holds:
                     continue
-                work = comm.broadcast(
-                    unit.flat, unit.primary_replica, self.group, self._stats, "replicate_broadcast"
-                )
+                works = [
+                    comm.broadcast(
+                        buffer,
+                        unit.primary_replica,
+                        self.group,
+                        self._stats,
+                        "replicate_broadcast",
+                    )  # fmt: skip
+                    for buffer in unit.buffers
+                ]
                 if async_op:
-                    self._in_flight[unit] = work
+                    self._in_flight[unit] = works
                 else:
-                    work.wait()
+                    for work in works:
+                        work.wait()
 
     def landed(self, units: list[Unit]) -> bool:
         """No broadcast into these units is still in flight (a timing question: the
         answer may differ between ranks)."""
-        return all(
-            unit not in self._in_flight or self._in_flight[unit].is_completed() for unit in units
-        )
+        return all(w.is_completed() for unit in units for w in self._in_flight.get(unit, ()))
 
     def wait(self, unit: Unit) -> None:
-        work = self._in_flight.pop(unit, None)
-        if work is not None:
+        works = self._in_flight.pop(unit, None)
+        if works is not None:
             with record_function(f"dmuon::replicate_wait b{unit.plan.boundary}"):
-                work.wait()
+                for work in works:
+                    work.wait()
 
     def wait_all(self) -> None:
         for unit in list(self._in_flight):

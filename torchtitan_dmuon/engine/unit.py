@@ -1,11 +1,17 @@
 """A unit's storage: one flat buffer per (boundary, owner slot) and its gradients.
 
-The parameters of a unit are views of its flat buffer (in the compute dtype). Ranks outside
-the unit's column free the buffer's storage between uses and re-grow the *same* storage
-before the next use (as FSDP2 does with its unsharded parameters), so every view that
-autograd saved in forward still sees the values in backward. The primary owner keeps a
-full-precision master under mixed precision, and the reduced gradient in the master dtype,
-accumulated over micro-batches until ``zero_grad``.
+The whole matrices of a unit are views of its flat buffer (in the compute dtype). Ranks
+outside the unit's column free the buffer's storage between uses and re-grow the *same*
+storage before the next use (as FSDP2 does with its unsharded parameters), so every view
+that autograd saved in forward still sees the values in backward. The primary owner keeps
+a full-precision master under mixed precision, and the reduced gradient in the master
+dtype, accumulated over micro-batches until ``zero_grad``.
+
+The pieces of a split 3-D stack (groups of MoE experts) travel in a second buffer of the
+unit and are copied out into the stack the model computes with (an :class:`ExpertStack`,
+freed and re-grown like a flat buffer), as FSDP2 copies its all-gather output into the
+unsharded parameters: the model sees one stacked parameter, each owner keeps its pieces
+only.
 
 Reduce buckets are transient: each lives from its boundary's reduce to the end of
 backward, and the owner's reduced gradient from the end of backward to ``zero_grad``
@@ -21,31 +27,61 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan_dmuon.engine.plan import DedicatedParam, UnitPlan, local_tensor
 
-__all__ = ["Unit", "flagged_grad_bucket"]
+__all__ = ["ExpertStack", "Unit", "flagged_grad_bucket", "local_grad"]
+
+
+def local_grad(p: nn.Parameter) -> torch.Tensor | None:
+    """This rank's gradient of ``p``, laid out as its local tensor (None if it has none)."""
+    grad = p.grad
+    if isinstance(grad, DTensor):
+        if grad.placements != p.placements:
+            # A tensor-parallel gradient laid out otherwise (e.g. partial sums of an
+            # embedding's): this rank's shard, as the parameter is laid out.
+            grad = grad.redistribute(p.device_mesh, p.placements)
+        grad = grad.to_local()
+    return grad
 
 
 def flagged_grad_bucket(
-    params: list[nn.Parameter], dtype: torch.dtype, device: torch.device
+    grads: list[torch.Tensor | None], numels: list[int], dtype: torch.dtype, device
 ) -> torch.Tensor:
-    """Every parameter's gradient back to back (zeros where it has none), then one
-    has-gradient flag per parameter: a bucket of the same size on every rank, whatever
-    gradients each rank computed, so that a gradient no rank computed can be told from
-    one whose sum is zero."""
-    locals_ = [local_tensor(p) for p in params]  # tensor parallelism: this rank's shards
-    numel = sum(p.numel() for p in locals_)
-    bucket = torch.zeros(numel + len(params), dtype=dtype, device=device)
+    """The gradients back to back (zeros where one is None, ``numels`` elements each),
+    then one has-gradient flag per gradient: a bucket of the same size on every rank,
+    whatever gradients each rank computed, so that a gradient no rank computed can be
+    told from one whose sum is zero."""
+    total = sum(numels)
+    bucket = torch.zeros(total + len(grads), dtype=dtype, device=device)
     offset = 0
-    for i, (p, local) in enumerate(zip(params, locals_, strict=True)):
-        if p.grad is not None:
-            grad = p.grad
-            if isinstance(grad, DTensor) and grad.placements != p.placements:
-                # A tensor-parallel gradient laid out otherwise (e.g. partial sums of
-                # an embedding's): this rank's shard, as the parameter is laid out.
-                grad = grad.redistribute(p.device_mesh, p.placements)
-            bucket[offset : offset + local.numel()].copy_(local_tensor(grad).reshape(-1))
-            bucket[numel + i] = 1
-        offset += local.numel()
+    for i, (grad, numel) in enumerate(zip(grads, numels, strict=True)):
+        if grad is not None:
+            bucket[offset : offset + numel].copy_(grad.reshape(-1))
+            bucket[total + i] = 1
+        offset += numel
     return bucket
+
+
+class ExpertStack:
+    """The stacked parameter a split 3-D stack computes with, on every rank.
+
+    Its storage is freed between uses and re-grown (the same storage, so the views
+    autograd saved stay valid) before the owners' pieces are copied into it.
+
+    Attributes:
+        tensor: The stack, in the compute dtype; the parameter's data.
+    """
+
+    def __init__(self, param: nn.Parameter, dtype: torch.dtype) -> None:
+        self.tensor = param.detach().to(dtype, copy=True)
+        param.data = self.tensor
+        self.free()
+
+    def allocate(self) -> None:
+        storage = self.tensor.untyped_storage()
+        if storage.size() == 0:
+            storage.resize_(self.tensor.numel() * self.tensor.element_size())
+
+    def free(self) -> None:
+        self.tensor.untyped_storage().resize_(0)
 
 
 class Unit:
@@ -56,7 +92,9 @@ class Unit:
         holds: This rank is the unit's column: it keeps the values between steps.
         primary: This rank is the primary owner: master, momentum, reduced gradient and
             Newton-Schulz.
-        flat: The buffer the parameters are views of (compute dtype).
+        flat: The buffer its whole matrices are views of (compute dtype), or None.
+        pieces: The values of its pieces of split stacks (compute dtype), or None.
+        stacks: The stacks its pieces are copied out into, by parameter name.
         master: Primary only, under mixed precision: the full-precision values.
         grad: Primary only: the reduced (mean or sum) gradient, master dtype.
         grad_flags: Primary only: which matrices have a gradient since ``zero_grad``.
@@ -67,6 +105,8 @@ class Unit:
         self.holds = holds
         self.primary = primary
         self.flat: torch.Tensor | None = None
+        self.pieces: torch.Tensor | None = None
+        self.stacks: dict[str, ExpertStack] = {}
         self.master: torch.Tensor | None = None
         self.master_dtype: torch.dtype | None = None
         self.reduce_dtype: torch.dtype | None = None
@@ -89,65 +129,127 @@ class Unit:
     def numel(self) -> int:
         return self.plan.numel
 
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        """What its collectives move: the flat buffer and the pieces (those it has)."""
+        return [b for b in (self.flat, self.pieces) if b is not None]
+
+    @property
+    def device(self) -> torch.device:
+        return self.buffers[0].device
+
     @staticmethod
     def view(buffer: torch.Tensor, d: DedicatedParam) -> torch.Tensor:
-        """``d``'s slice of a buffer laid out like ``flat``."""
+        """``d``'s slice of a buffer in the unit's layout (masters, gradients)."""
         return buffer[d.offset : d.offset + d.numel].view(d.local_shape)
 
+    def value_view(self, d: DedicatedParam) -> torch.Tensor:
+        """``d``'s compute-dtype value in ``flat`` or ``pieces``."""
+        if d.experts is None:
+            return self.view(self.flat, d)
+        start = d.offset - self.plan.whole_numel
+        return self.pieces[start : start + d.numel].view(d.local_shape)
+
     def master_view(self, d: DedicatedParam) -> torch.Tensor:
-        """The full-precision value the optimizer updates (the parameter itself without
-        mixed precision)."""
+        """The full-precision value the optimizer updates (the value itself without
+        mixed precision). Before :meth:`bind`, the parameter's (a checkpoint can load
+        into it before the first forward)."""
+        if self.master_dtype is None:
+            return _value_of(d)
         if self.master is None:
-            return local_tensor(d.param).detach()
+            return self.value_view(d)
         return self.view(self.master, d)
 
     # ---- storage ---------------------------------------------------------------------
     @torch.no_grad()
     def bind(self, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None) -> None:
-        """Make the parameters views of one flat buffer holding their current values.
+        """Make the whole matrices views of one flat buffer holding their current values,
+        and copy the pieces' values (from their stacks, not rebound yet) into ``pieces``.
 
-        Under an FSDP2 ``MixedPrecisionPolicy`` the buffer (what forward uses and what is
-        broadcast) is in ``param_dtype`` and the primary keeps a full-precision master;
-        gradients are reduced in ``reduce_dtype`` (FSDP2's default: the compute dtype).
+        Under an FSDP2 ``MixedPrecisionPolicy`` the buffers (what forward uses and what
+        is broadcast) are in ``param_dtype`` and the primary keeps a full-precision
+        master; gradients are reduced in ``reduce_dtype`` (FSDP2's default: the compute
+        dtype).
         """
         self.master_dtype = self.params[0].param.dtype
         compute_dtype = param_dtype or self.master_dtype
         self.reduce_dtype = reduce_dtype or compute_dtype
-        values = torch.cat([local_tensor(d.param).detach().reshape(-1) for d in self.params])
+
+        def values(ds: list[DedicatedParam]) -> torch.Tensor | None:
+            if not ds:
+                return None
+            return torch.cat([_value_of(d).reshape(-1) for d in ds])
+
+        whole = values([d for d in self.params if d.experts is None])
+        pieces = values([d for d in self.params if d.experts is not None])
         if self.primary and compute_dtype != self.master_dtype:
-            self.master = values
-        self.flat = values.to(compute_dtype)
+            self.master = torch.cat([t for t in (whole, pieces) if t is not None])
+        # Own storage each (a master or the other buffer must not share it).
+        if whole is not None:
+            self.flat = whole.to(compute_dtype, copy=True)
+        if pieces is not None:
+            self.pieces = pieces.to(compute_dtype, copy=True)
         for d in self.params:
-            # A DTensor (tensor parallelism) keeps its wrapper; its local shard is the view.
-            target = d.param._local_tensor if isinstance(d.param, DTensor) else d.param
-            target.data = self.view(self.flat, d)
+            if d.experts is None:
+                # A DTensor (tensor parallelism) keeps its wrapper; its local shard is
+                # the view.
+                target = d.param._local_tensor if isinstance(d.param, DTensor) else d.param
+                target.data = self.view(self.flat, d)
         self.free()
 
     def allocate(self) -> None:
-        storage = self.flat.untyped_storage()
-        if storage.size() == 0:
-            storage.resize_(self.numel * self.flat.element_size())
+        for buffer in self.buffers:
+            storage = buffer.untyped_storage()
+            if storage.size() == 0:
+                storage.resize_(buffer.numel() * buffer.element_size())
+        for stack in self.stacks.values():
+            stack.allocate()
 
     def free(self) -> None:
         """Drop the copy of a rank outside the unit's column (the parameters keep their
-        shape, not their data)."""
+        shape, not their data) and, on every rank, the stacks its pieces fill."""
         if not self.holds:
-            self.flat.untyped_storage().resize_(0)
+            for buffer in self.buffers:
+                buffer.untyped_storage().resize_(0)
+        for stack in self.stacks.values():
+            stack.free()
+
+    @torch.no_grad()
+    def copy_out_pieces(self) -> None:
+        """Once the unit's values are here: its pieces into their stacks (a rank outside
+        the column then drops its copy of them)."""
+        if self.pieces is None:
+            return
+        for d in self.params:
+            if d.experts is not None:
+                start, stop = d.experts
+                self.stacks[d.name].tensor[start:stop].copy_(self.value_view(d))
+        if not self.holds:
+            self.pieces.untyped_storage().resize_(0)
 
     @torch.no_grad()
     def masters_to_flat(self) -> None:
-        if self.master is not None:
-            self.flat.copy_(self.master)
+        if self.master is None:
+            return
+        whole = self.plan.whole_numel
+        if self.flat is not None:
+            self.flat.copy_(self.master[:whole])
+        if self.pieces is not None:
+            self.pieces.copy_(self.master[whole:])
 
     # ---- gradients -------------------------------------------------------------------
     def pack_grads(self) -> torch.Tensor:
-        """The reduce bucket (reduce dtype, a has-gradient flag per matrix after the
-        values). Consumes the local gradients."""
-        params = [d.param for d in self.params]
-        bucket = flagged_grad_bucket(params, self.reduce_dtype, self.flat.device)
-        for p in params:
-            p.grad = None
-        return bucket
+        """The reduce bucket (reduce dtype, a has-gradient flag per matrix or piece after
+        the values). The caller drops the local gradients once every unit sharing them
+        (a stack's pieces) is packed."""
+        grads = []
+        for d in self.params:
+            grad = local_grad(d.param)
+            if grad is not None and d.experts is not None:
+                grad = grad[d.experts[0] : d.experts[1]]
+            grads.append(grad)
+        numels = [d.numel for d in self.params]
+        return flagged_grad_bucket(grads, numels, self.reduce_dtype, self.device)
 
     @torch.no_grad()
     def accumulate_grads(self, bucket: torch.Tensor, divide_factor: float) -> None:
@@ -177,11 +279,17 @@ class Unit:
         """What this rank keeps between steps for the unit (see
         :meth:`Dedication.memory_bytes`)."""
         held = {"params": 0, "masters": 0, "momentum": 0}
-        if self.holds and self.flat is not None:
-            held["params"] = self.numel * self.flat.element_size()
+        if self.holds and self.buffers:
+            held["params"] = self.numel * self.buffers[0].element_size()
         if self.master is not None:
             held["masters"] = self.master.numel() * self.master.element_size()
         if self.primary:
             dtype = self.master_dtype or self.params[0].param.dtype
             held["momentum"] = self.numel * dtype.itemsize
         return held
+
+
+def _value_of(d: DedicatedParam) -> torch.Tensor:
+    """``d``'s current value in the parameter (its piece of a stack)."""
+    value = local_tensor(d.param).detach()
+    return value if d.experts is None else value[d.experts[0] : d.experts[1]]

@@ -8,18 +8,27 @@ DMuon that would hold stale tensors (the engine re-binds parameters into flat bu
 the first forward) and every rank's copy of each dedicated matrix, most of them freed. This
 wrapper recomputes the state dict on each call: FSDP parameters as TorchTitan gives them
 (DTensors, resharded by DCP on load), and each dedicated matrix only on its primary owner,
-as one whole full-precision tensor under its parameter name. Save and load use the same
-rule, so a checkpoint does not depend on the topology that wrote it: a new topology's
-owner reads the whole tensor and the engine distributes it.
+as one whole full-precision tensor under its parameter name. A stack split among owners
+(MoE experts) is saved under its name too, as a ``ShardedTensor`` whose shards are the
+owners' pieces (each expert once). Save and load use the same rule, so a checkpoint does
+not depend on the topology that wrote it: DCP reads each new owner's matrix or piece from
+whatever the old topology wrote, and the engine distributes it.
 """
 
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+from torch.distributed._shard.sharded_tensor.metadata import (
+    ShardedTensorMetadata,
+    TensorProperties,
+)
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -30,32 +39,63 @@ from torch.distributed.tensor import DTensor
 from torchtitan.components.checkpoint import ModelWrapper
 from torchtitan.components.lr_scheduler import LRSchedulersContainer
 
-from torchtitan_dmuon.engine import get_dedication
+from torchtitan_dmuon.engine import Dedication, get_dedication
+from torchtitan_dmuon.engine.plan import DedicatedParam
 from torchtitan_dmuon.titan.parallelize import clean_fqn
 
 logger = logging.getLogger(__name__)
+
+# DCP warns on every ShardedTensor it plans; the split stacks' pieces have no DTensor
+# layout (an owner's piece is not a mesh shard).
+warnings.filterwarnings(
+    "ignore", message="Please use DTensor instead and we are deprecating ShardedTensor"
+)
 
 __all__ = ["DMuonModelWrapper", "LRSchedulersWrapper", "as_saved", "load_into"]
 
 
 def _dedicated(model: nn.Module):
-    """``(fqns of all dedicated matrices, {fqn: master} of those this rank owns)``."""
+    """``(fqns of all dedicated matrices, {fqn: (saved, local)} of those this rank owns)``:
+    ``saved`` is what the checkpoint holds, ``local`` the master it stands for."""
     dedication = get_dedication(model)
     if dedication is None:  # one data-parallel rank: every value is here, in place
         return set(), {}
     fqns = {id(p): clean_fqn(n) for n, p in model.named_parameters()}
     every = {clean_fqn(d.name) for unit in dedication.units for d in unit.params}
     owned = {
-        fqns[id(param)]: as_saved(param, master) for param, master in dedication.primary_params()
+        fqns[id(entry.param)]: (as_saved(dedication, entry, master), master)
+        for entry, master in dedication.primary_params()
     }
     return every, owned
 
 
-def as_saved(param: nn.Parameter, local: torch.Tensor) -> torch.Tensor:
-    """What a checkpoint holds for a dedicated matrix's value or state: the tensor itself,
-    or under tensor parallelism this rank's shard as a DTensor laid out like ``param``
-    (DCP reassembles and reshards it; it shares ``local``'s storage, so loading into it
-    loads into ``local``)."""
+def as_saved(dedication: Dedication, entry: DedicatedParam, local: torch.Tensor) -> torch.Tensor:
+    """What a checkpoint holds for a dedicated matrix's value or state (``local``, this
+    owner's tensor; DCP loads into it in place through what this returns):
+
+    * a whole matrix: ``local`` itself;
+    * under tensor parallelism: this rank's shard as a DTensor laid out like the
+      parameter (DCP reassembles and reshards it);
+    * a piece of a split stack: a ``ShardedTensor`` of the stack's shape whose local shard
+      is ``local`` and whose other shards are the other owners' pieces.
+    """
+    param = entry.param
+    if entry.experts is not None:
+        shards = [
+            ShardMetadata(
+                shard_offsets=[start] + [0] * (param.ndim - 1),
+                shard_sizes=[stop - start, *param.shape[1:]],
+                placement=f"rank:{rank}/{local.device}",
+            )
+            for (start, stop), rank in dedication.piece_owners(entry.name)
+        ]
+        mine = next(md for md in shards if md.shard_offsets[0] == entry.experts[0])
+        metadata = ShardedTensorMetadata(
+            shards, param.shape, TensorProperties(dtype=local.dtype, layout=torch.strided)
+        )
+        return ShardedTensor._init_from_local_shards_and_global_metadata(
+            [Shard(local, mine)], metadata
+        )
     if not isinstance(param, DTensor) or isinstance(local, DTensor):
         return local
     return DTensor.from_local(
@@ -67,7 +107,10 @@ def as_saved(param: nn.Parameter, local: torch.Tensor) -> torch.Tensor:
 def load_into(target: torch.Tensor, loaded: torch.Tensor) -> None:
     """Copy a loaded value into a dedicated matrix's local tensor, unless DCP already
     loaded it in place."""
-    loaded = loaded.to_local() if isinstance(loaded, DTensor) else loaded
+    if isinstance(loaded, ShardedTensor):
+        loaded = loaded.local_shards()[0].tensor
+    elif isinstance(loaded, DTensor):
+        loaded = loaded.to_local()
     if loaded.data_ptr() != target.data_ptr():
         target.copy_(loaded)
 
@@ -84,15 +127,14 @@ class DMuonModelWrapper(ModelWrapper):
             every, owned = _dedicated(model)
             part = get_model_state_dict(model)
             sd.update({k: v for k, v in part.items() if k not in every})
-            sd.update(owned)
+            sd.update({fqn: saved for fqn, (saved, _) in owned.items()})
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
         for model in self.model:
             every, owned = _dedicated(model)
-            for fqn, master in owned.items():
-                local = master.to_local() if isinstance(master, DTensor) else master
-                load_into(local, state_dict[fqn])
+            for fqn, (_, master) in owned.items():
+                load_into(master, state_dict[fqn])
             if get_dedication(model) is not None:
                 get_dedication(model).refresh_from_masters()
             rest = {k: v for k, v in state_dict.items() if k not in every}

@@ -14,6 +14,7 @@ reads it whole.
 
 from __future__ import annotations
 
+import functools
 import logging
 import numbers
 import time
@@ -171,22 +172,26 @@ class DMuonOptimizersContainer(OptimizersContainer):
 
     # ---- topology-independent state ------------------------------------------------------
     def _entries(self):
-        """``(fqn, state dict of the parameter, the parameter if Muon steps it here)`` for
-        every parameter this rank saves and loads, creating the zero state a fresh
-        optimizer would (so keys exist before the first step and DCP can load into
-        them)."""
+        """``(fqn, state dict of the parameter, how its tensors are saved)`` for every
+        parameter this rank saves and loads, creating the zero state a fresh optimizer
+        would (so keys exist before the first step and DCP can load into them). ``saved``
+        maps a dedicated matrix's state tensor to what the checkpoint holds (see
+        :func:`as_saved`); None for the others (saved as they are)."""
         for model, optimizer in zip(self.model_parts, self.optimizers, strict=True):
             fqns = {id(p): clean_fqn(n) for n, p in model.named_parameters()}
             dedication = get_dedication(model)
             if dedication is not None:
-                owned = dedication.primary_params()
+                owned = [
+                    (entry.param, master, functools.partial(as_saved, dedication, entry))
+                    for entry, master in dedication.primary_params()
+                ]
             else:
-                owned = [(p, p) for p in optimizer.param_groups[0]["params"]]
-            for key, master in owned:
+                owned = [(p, p, lambda t: t) for p in optimizer.param_groups[0]["params"]]
+            for key, master, saved in owned:
                 state = optimizer.state[key]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(master)
-                yield fqns[id(key)], state, key
+                yield fqns[id(key)], state, saved
             group = optimizer.param_groups[1]
             for p in group["params"]:
                 state = optimizer.state[p]
@@ -204,9 +209,10 @@ class DMuonOptimizersContainer(OptimizersContainer):
 
     def state_dict(self) -> dict:
         sd = {
-            # A tensor-parallel matrix's momentum is this rank's shard: saved as a DTensor.
-            f"state.{fqn}.{key}": value if muon_param is None else as_saved(muon_param, value)
-            for fqn, state, muon_param in self._entries()
+            # A tensor-parallel matrix's momentum is this rank's shard (saved as a
+            # DTensor), a split stack's its piece (a ShardedTensor).
+            f"state.{fqn}.{key}": value if saved is None else saved(value)
+            for fqn, state, saved in self._entries()
             for key, value in state.items()
         }
         for name, group, key in self._hyperparameters(self.optimizers[0]):
@@ -216,12 +222,12 @@ class DMuonOptimizersContainer(OptimizersContainer):
     def load_state_dict(self, state_dict: dict) -> None:
         # DCP loads tensors in place into those state_dict() returned; a plain dict (not
         # from DCP) is copied.
-        for fqn, state, muon_param in self._entries():
+        for fqn, state, saved in self._entries():
             for key, value in state.items():
                 loaded = state_dict.get(f"state.{fqn}.{key}")
                 if loaded is None or loaded is value:
                     continue
-                if muon_param is not None and not isinstance(value, DTensor):
+                if saved is not None and not isinstance(value, DTensor):
                     load_into(value, loaded)
                 else:
                     value.copy_(loaded)
