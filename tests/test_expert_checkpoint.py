@@ -1,0 +1,115 @@
+"""Checkpoints of split expert stacks: saved through DCP on 4 ranks (pieces of 2, 2, 1, 1
+experts), loaded on 2 ranks (pieces of 3 and 3): every expert's value and momentum
+arrive where the new owners expect them."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from tests.dist import run_distributed
+from tests.models import ExpertBlock, loss_fn, make_model, proj_or_experts_predicate
+from tests.workers import ADAMW_KW, MUON_KW, as_muon_adamw_kwargs, data_for
+from torchtitan_dmuon import Muon, dedicate_params, get_full_param
+from torchtitan_dmuon.titan.checkpoint import DMuonModelWrapper, as_saved
+
+STACKS = [f"layers.{i}.experts_proj" for i in range(2)]
+
+
+def _model_and_optimizer(world: int, seed: int):
+    mesh = init_device_mesh("cpu", (world,))
+    model = make_model(seed=seed, block=ExpertBlock)
+    dedication = dedicate_params(model, mesh, proj_or_experts_predicate)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = Muon(model, **MUON_KW, **as_muon_adamw_kwargs(ADAMW_KW), ns_dtype=torch.float32)
+    return model, dedication, opt
+
+
+def _momentum_state(dedication, opt) -> dict:
+    """Each owned piece's momentum as the checkpoint holds it, with the local tensor."""
+    out = {}
+    for entry, master in dedication.primary_params():
+        if entry.experts is None:
+            continue
+        state = opt.state[entry.param]
+        state.setdefault("momentum_buffer", torch.zeros_like(master))
+        out[f"momentum.{entry.name}"] = as_saved(dedication, entry, state["momentum_buffer"])
+    return out
+
+
+def _pieces(dedication, opt) -> dict:
+    return {
+        (entry.name, entry.experts): opt.state[entry.param]["momentum_buffer"].clone()
+        for entry, _ in dedication.primary_params()
+        if entry.experts is not None
+    }
+
+
+def _save(rank, world, path):
+    model, dedication, opt = _model_and_optimizer(world, seed=0)
+    for step in range(2):
+        opt.zero_grad()
+        loss_fn(model, *data_for(step, rank, world, False)).backward()
+        opt.step()
+    state = DMuonModelWrapper(model).state_dict()
+    state.update(_momentum_state(dedication, opt))
+    dcp.save(state, checkpoint_id=path)
+    values = {name: get_full_param(model, name) for name in STACKS}
+    result = dict(values=values, momentum=_pieces(dedication, opt))
+    del opt, model
+    return result
+
+
+def _load(rank, world, path):
+    model, dedication, opt = _model_and_optimizer(world, seed=1)  # other initial values
+    wrapper = DMuonModelWrapper(model)
+    state = wrapper.state_dict()
+    state.update(_momentum_state(dedication, opt))
+    dcp.load(state, checkpoint_id=path)
+    wrapper.load_state_dict(state)
+    model(data_for(0, rank, world, False)[0])  # the first forward binds the loaded values
+    values = {name: get_full_param(model, name) for name in STACKS}
+    result = dict(values=values, momentum=_pieces(dedication, opt))
+    dist.barrier()
+    del opt, model
+    return result
+
+
+def _assemble(by_rank) -> dict:
+    full = {}
+    for result in by_rank:
+        for (name, (start, stop)), piece in result["momentum"].items():
+            full.setdefault(name, {})[start] = (stop, piece)
+    out = {}
+    for name, pieces in full.items():
+        expected_start, parts = 0, []
+        for start in sorted(pieces):
+            assert start == expected_start, f"{name}: pieces do not tile the stack"
+            stop, piece = pieces[start]
+            parts.append(piece)
+            expected_start = stop
+        assert expected_start == ExpertBlock.experts
+        out[name] = torch.cat(parts)
+    return out
+
+
+def test_split_stacks_checkpoint_reshards_from_4_to_2_ranks(tmp_path):
+    path = str(tmp_path / "checkpoint")
+    saved = run_distributed(_save, 4, path)
+    loaded = run_distributed(_load, 2, path)
+    saved_momentum = _assemble(saved)
+    loaded_momentum = _assemble(loaded)
+    assert sorted(len(r["momentum"]) for r in saved) == [2, 2, 2, 2]  # one piece a stack
+    assert sorted(len(r["momentum"]) for r in loaded) == [2, 2]
+    for name in STACKS:
+        assert torch.count_nonzero(saved_momentum[name]) > 0
+        torch.testing.assert_close(loaded_momentum[name], saved_momentum[name], rtol=0, atol=0)
+        for result in loaded:
+            torch.testing.assert_close(
+                result["values"][name], saved[0]["values"][name], rtol=0, atol=0
+            )
