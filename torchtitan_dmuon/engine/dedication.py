@@ -28,7 +28,7 @@ from torchtitan_dmuon.engine.others import OtherParams
 from torchtitan_dmuon.engine.plan import DedicatedParam, Plan
 from torchtitan_dmuon.engine.replicas import Replicas
 from torchtitan_dmuon.engine.settings import DedicationSettings
-from torchtitan_dmuon.engine.unit import ExpertStack, Unit
+from torchtitan_dmuon.engine.unit import RefilledParam, Unit, refills
 from torchtitan_dmuon.optim.sharded_ns import (
     gathered_newton_schulz,
     sharded_newton_schulz,
@@ -173,14 +173,15 @@ class Dedication:
             param_dtype, reduce_dtype = _mixed_precision_of(self.model, boundary.name)
             for unit in units:
                 unit.bind(param_dtype, reduce_dtype)
-            # After the units read their pieces: the stacks take over the parameters.
-            split = {d.name: d.param for d in boundary.params if d.experts is not None}
-            stacks = {
-                name: ExpertStack(param, param_dtype or param.dtype)
-                for name, param in split.items()
+            # After the units read their values: storage of their own for split stacks
+            # and tensor-parallel shards.
+            own = {d.name: d.param for d in boundary.params if refills(d)}
+            refilled = {
+                name: RefilledParam(param, param_dtype or param.dtype)
+                for name, param in own.items()
             }
             for unit in units:
-                unit.stacks = {d.name: stacks[d.name] for d in unit.params if d.experts}
+                unit.refilled = {d.name: refilled[d.name] for d in unit.params if refills(d)}
         self._log_balance()
         names = {d.name for d in self.plan.params}
         self.others = OtherParams(self.model, names, self.data_parallel_groups())
@@ -193,7 +194,7 @@ class Dedication:
     def gather(self, unit: Unit) -> list[dist.Work]:
         """Materialize ``unit`` in this shard group: a broadcast of each of its buffers
         from its column, once the column has the latest values from the primary replica
-        (:meth:`Unit.copy_out_pieces` follows once they land)."""
+        (:meth:`Unit.refill` follows once they land)."""
         if self.replicas is not None:
             self.replicas.wait(unit)
         unit.allocate()

@@ -165,7 +165,7 @@ class HookDriver:
             for work in works:
                 work.wait()
             for unit in self.d.boundary_units[b]:
-                unit.copy_out_pieces()
+                unit.refill()
 
     def _issue_reduce(self, b: int) -> None:
         with record_function(f"dmuon::reduce b{b}"):

@@ -7,11 +7,12 @@ that autograd saved in forward still sees the values in backward. The primary ow
 a full-precision master under mixed precision, and the reduced gradient in the master
 dtype, accumulated over micro-batches until ``zero_grad``.
 
-The pieces of a split 3-D stack (groups of MoE experts) travel in a second buffer of the
-unit and are copied out into the stack the model computes with (an :class:`ExpertStack`,
-freed and re-grown like a flat buffer), as FSDP2 copies its all-gather output into the
-unsharded parameters: the model sees one stacked parameter, each owner keeps its pieces
-only.
+Two kinds of parameters compute from storage of their own (a :class:`RefilledParam`,
+freed and re-grown like a flat buffer), refilled from the unit's values after each gather,
+as FSDP2 copies its all-gather output into its unsharded parameters: a split 3-D stack
+(groups of MoE experts), whose pieces travel in a second buffer of the unit (the model
+sees one stacked parameter, each owner keeps its pieces only), and a tensor-parallel
+shard (a DTensor whose local tensor views another buffer cannot be traced by Dynamo).
 
 Reduce buckets are transient: each lives from its boundary's reduce to the end of
 backward, and the owner's reduced gradient from the end of backward to ``zero_grad``
@@ -27,7 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan_dmuon.engine.plan import DedicatedParam, UnitPlan, local_tensor
 
-__all__ = ["ExpertStack", "Unit", "flagged_grad_bucket", "local_grad"]
+__all__ = ["RefilledParam", "Unit", "flagged_grad_bucket", "local_grad"]
 
 
 def local_grad(p: nn.Parameter) -> torch.Tensor | None:
@@ -60,19 +61,22 @@ def flagged_grad_bucket(
     return bucket
 
 
-class ExpertStack:
-    """The stacked parameter a split 3-D stack computes with, on every rank.
+class RefilledParam:
+    """A dedicated parameter with storage of its own, on every rank: a split stack or a
+    tensor-parallel shard (its local tensor).
 
     Its storage is freed between uses and re-grown (the same storage, so the views
-    autograd saved stay valid) before the owners' pieces are copied into it.
+    autograd saved stay valid) before the unit's values are copied into it.
 
     Attributes:
-        tensor: The stack, in the compute dtype; the parameter's data.
+        tensor: Its value (the local shard under tensor parallelism), in the compute
+            dtype; the parameter's data.
     """
 
     def __init__(self, param: nn.Parameter, dtype: torch.dtype) -> None:
-        self.tensor = param.detach().to(dtype, copy=True)
-        param.data = self.tensor
+        self.tensor = local_tensor(param).detach().to(dtype, copy=True)
+        target = param._local_tensor if isinstance(param, DTensor) else param
+        target.data = self.tensor
         self.free()
 
     def allocate(self) -> None:
@@ -94,7 +98,8 @@ class Unit:
             Newton-Schulz.
         flat: The buffer its whole matrices are views of (compute dtype), or None.
         pieces: The values of its pieces of split stacks (compute dtype), or None.
-        stacks: The stacks its pieces are copied out into, by parameter name.
+        refilled: Its parameters with storage of their own, by name (see
+            :class:`RefilledParam`).
         master: Primary only, under mixed precision: the full-precision values.
         grad: Primary only: the reduced (mean or sum) gradient, master dtype.
         grad_flags: Primary only: which matrices have a gradient since ``zero_grad``.
@@ -106,7 +111,7 @@ class Unit:
         self.primary = primary
         self.flat: torch.Tensor | None = None
         self.pieces: torch.Tensor | None = None
-        self.stacks: dict[str, ExpertStack] = {}
+        self.refilled: dict[str, RefilledParam] = {}
         self.master: torch.Tensor | None = None
         self.master_dtype: torch.dtype | None = None
         self.reduce_dtype: torch.dtype | None = None
@@ -163,8 +168,9 @@ class Unit:
     # ---- storage ---------------------------------------------------------------------
     @torch.no_grad()
     def bind(self, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None) -> None:
-        """Make the whole matrices views of one flat buffer holding their current values,
-        and copy the pieces' values (from their stacks, not rebound yet) into ``pieces``.
+        """Make the whole matrices views of one flat buffer holding their current values
+        (tensor-parallel shards: copies, refilled later) and copy the pieces' values (from
+        their stacks, not rebound yet) into ``pieces``.
 
         Under an FSDP2 ``MixedPrecisionPolicy`` the buffers (what forward uses and what
         is broadcast) are in ``param_dtype`` and the primary keeps a full-precision
@@ -190,11 +196,8 @@ class Unit:
         if pieces is not None:
             self.pieces = pieces.to(compute_dtype, copy=True)
         for d in self.params:
-            if d.experts is None:
-                # A DTensor (tensor parallelism) keeps its wrapper; its local shard is
-                # the view.
-                target = d.param._local_tensor if isinstance(d.param, DTensor) else d.param
-                target.data = self.view(self.flat, d)
+            if not refills(d):
+                d.param.data = self.view(self.flat, d)
         self.free()
 
     def allocate(self) -> None:
@@ -202,29 +205,29 @@ class Unit:
             storage = buffer.untyped_storage()
             if storage.size() == 0:
                 storage.resize_(buffer.numel() * buffer.element_size())
-        for stack in self.stacks.values():
-            stack.allocate()
+        for refilled in self.refilled.values():
+            refilled.allocate()
 
     def free(self) -> None:
         """Drop the copy of a rank outside the unit's column (the parameters keep their
-        shape, not their data) and, on every rank, the stacks its pieces fill."""
+        shape, not their data) and, on every rank, the refilled parameters' storage."""
         if not self.holds:
             for buffer in self.buffers:
                 buffer.untyped_storage().resize_(0)
-        for stack in self.stacks.values():
-            stack.free()
+        for refilled in self.refilled.values():
+            refilled.free()
 
     @torch.no_grad()
-    def copy_out_pieces(self) -> None:
-        """Once the unit's values are here: its pieces into their stacks (a rank outside
-        the column then drops its copy of them)."""
-        if self.pieces is None:
-            return
+    def refill(self) -> None:
+        """Once the unit's values are here: copy them into the refilled parameters (a rank
+        outside the column then drops its copy of the pieces)."""
         for d in self.params:
             if d.experts is not None:
                 start, stop = d.experts
-                self.stacks[d.name].tensor[start:stop].copy_(self.value_view(d))
-        if not self.holds:
+                self.refilled[d.name].tensor[start:stop].copy_(self.value_view(d))
+            elif d.name in self.refilled:
+                self.refilled[d.name].tensor.copy_(self.value_view(d))
+        if self.pieces is not None and not self.holds:
             self.pieces.untyped_storage().resize_(0)
 
     @torch.no_grad()
@@ -293,3 +296,9 @@ def _value_of(d: DedicatedParam) -> torch.Tensor:
     """``d``'s current value in the parameter (its piece of a stack)."""
     value = local_tensor(d.param).detach()
     return value if d.experts is None else value[d.experts[0] : d.experts[1]]
+
+
+def refills(d: DedicatedParam) -> bool:
+    """Whether ``d``'s parameter computes from storage of its own (a
+    :class:`RefilledParam`) rather than from a view of its unit's flat buffer."""
+    return d.experts is not None or isinstance(d.param, DTensor)

@@ -162,18 +162,6 @@ def with_dedication(parallelize_fn: Callable) -> Callable:
                 f"[optimizer] name = 'DMuon' does not support {', '.join(unsupported)} yet; "
                 "use data, context and pipeline parallelism (FSDP, HSDP, DDP, CP, PP) only"
             )
-        if (
-            parallel_dims.tp_enabled
-            and job_config.compile.enable
-            and ("model" in job_config.compile.components)
-        ):
-            # Dynamo cannot fakeify a DTensor whose local tensor is a view of the engine's
-            # flat buffer ("set the storage of a tensor on device cpu to a storage on
-            # different device meta"), where FSDP2 + AdamW compiles.
-            raise ValueError(
-                "[optimizer] name = 'DMuon' does not support compile.enable together with "
-                "parallelism.tensor_parallel_degree > 1 yet; drop one of them"
-            )
         settings = job_config.dmuon
         if not parallel_dims.pp_enabled:  # else checked on the whole model, before the split
             _check_patterns(model, settings)
