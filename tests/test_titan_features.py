@@ -19,7 +19,14 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.protocols.train_spec import get_train_spec
 
 from tests.dist import run_distributed
-from tests.test_titan_integration import CHECKPOINT, ROOT, SHORT, OverrideDefinitions, run_case
+from tests.test_titan_integration import (
+    ADAMW,
+    PLAIN,
+    ROOT,
+    SHORT,
+    OverrideDefinitions,
+    run_case,
+)
 from torchtitan_dmuon.titan import register
 from torchtitan_dmuon.titan.checkpoint import DMuonModelWrapper
 from torchtitan_dmuon.titan.config import DEFAULT_PARAM_PATTERNS
@@ -69,31 +76,28 @@ PROFILE = [
     "--profiling.profiler_active",
     "1",
 ]
-MODEL_ONLY_AT_STEP_3 = [
-    *SHORT[2:],
-    "--training.steps",
-    "3",
-    "--checkpoint.enable",
-    "--checkpoint.last_save_model_only",
-]
+HF_EXPORT = ["--checkpoint.last_save_model_only", "--checkpoint.last_save_in_hf"]
+# The states of a full DCP checkpoint beside the model's weights.
+NOT_MODEL = {"optimizer", "lr_scheduler", "dataloader", "train_state"}
 
 
-def test_cpu_profiling_and_hf_export_of_dedicated_matrices(tmp_path):
-    """One run profiles steps 1-2 on CPU and exports HF safetensors at step 3; a second,
-    identical run saves a DCP checkpoint at step 3. The export holds every weight (the
-    dedicated ones, which only their owner saves, included) exactly as DCP has it."""
+def test_cpu_profiling_and_hf_export_of_dedicated_matrices(tmp_path, tmp_path_factory):
+    """One run profiles every second step on CPU and exports HF safetensors at its last
+    step (6); the plain run (test_titan_integration.py's, otherwise identical) saves a
+    full DCP checkpoint there. The export holds every weight (the dedicated ones, which
+    only their owner saves, included) exactly as DCP has it."""
     exported, saved = run_case(
         OverrideDefinitions(
-            [
-                [*MODEL_ONLY_AT_STEP_3, *PROFILE, "--checkpoint.last_save_in_hf"],
-                MODEL_ONLY_AT_STEP_3,
-            ],
+            [[*PLAIN, *PROFILE, *HF_EXPORT], PLAIN],
             "CPU profiler traces and an HF export beside a DCP checkpoint",
             "profile_hf_export",
+            shared=(1,),
         ),
         tmp_path,
+        tmp_path_factory,
     )
     assert exported.losses == saved.losses
+    assert sorted(exported.losses) == [1, 2, 3, 4, 5, 6]
 
     for rank in (0, 1):
         trace = tmp_path / f"run0/profile_traces/iteration_2/rank{rank}_trace.json"
@@ -101,7 +105,7 @@ def test_cpu_profiling_and_hf_export_of_dedicated_matrices(tmp_path):
         assert any(e.get("name", "").startswith("ProfilerStep#") for e in events), trace
         assert any(e.get("name") == "Optimizer.step#Muon.step" for e in events), trace
 
-    hf_dir = tmp_path / "run0/checkpoint/step-3"
+    hf_dir = tmp_path / "run0/checkpoint/step-6"
     hf = {}
     for path in sorted(hf_dir.glob("*.safetensors")):
         hf.update(safetensors.torch.load_file(path))
@@ -110,8 +114,10 @@ def test_cpu_profiling_and_hf_export_of_dedicated_matrices(tmp_path):
     from_hf = adapter.from_hf(hf)
 
     dcp_file = tmp_path / "dcp.pt"
-    dcp_to_torch_save(tmp_path / "run1/checkpoint/step-3", dcp_file)
-    dcp = torch.load(dcp_file, weights_only=True)
+    dcp_to_torch_save(tmp_path / "run1/checkpoint/step-6", dcp_file)
+    full = torch.load(dcp_file, weights_only=True)
+    assert NOT_MODEL <= set(full)
+    dcp = {k: v for k, v in full.items() if k not in NOT_MODEL}
     assert sorted(from_hf) == sorted(dcp)
     dedicated = [k for k in dcp if any(fnmatch.fnmatch(k, p) for p in DEFAULT_PARAM_PATTERNS)]
     assert len(dedicated) == 42  # 6 layers x (4 attention + 3 feed-forward matrices)
@@ -225,13 +231,13 @@ def train_with_a_nan(rank: int, world: int, policy: str) -> dict:
     return result
 
 
-def test_nonfinite_grad_norm_skip_stop_continue():
+def test_nonfinite_grad_norm_skip_stop_continue(in_process_by_rank):
     """A NaN on one rank makes the global norm NaN on both. skip: that step leaves every
     parameter and optimizer state bit-identical, and training goes on with finite losses;
     stop: both ranks raise naming the step and the option; continue: the NaN reaches the
     weights."""
-    by_rank = run_distributed(nonfinite_grad_norm_worker, 2)
-    for result in by_rank:
+    for by_worker in in_process_by_rank:
+        result = by_worker["nonfinite_grad_norm"]
         skip, stop, go_on = (result[policy] for policy in POLICIES)
         assert skip["unchanged"] == skip["keys"]
         assert any(k.startswith("model.layers.") for k in skip["keys"])
@@ -277,11 +283,28 @@ def implementation_worker(rank: int, world: int) -> dict[str, dict]:
     return result
 
 
-def test_optimizer_implementation_reaches_adamw():
+def in_process_worker(rank: int, world: int) -> dict[str, dict]:
+    """:func:`nonfinite_grad_norm_worker` and :func:`implementation_worker` on the same
+    ranks, one after the other (each model and optimizer is built afresh)."""
+    return {
+        "nonfinite_grad_norm": nonfinite_grad_norm_worker(rank, world),
+        "implementation": implementation_worker(rank, world),
+    }
+
+
+@pytest.fixture(scope="module")
+def in_process_by_rank() -> list[dict[str, dict]]:
+    """The in-process checks' results by rank: one spawn of 2 gloo ranks (each start
+    imports torch and TorchTitan) serves both tests."""
+    return run_distributed(in_process_worker, 2)
+
+
+def test_optimizer_implementation_reaches_adamw(in_process_by_rank):
     """[optimizer] implementation picks DMuon's AdamW kernels as it picks TorchTitan's
     AdamW ones (fused is TorchTitan's default; torch 2.13 has a fused CPU AdamW): the
     three agree on the step."""
-    for result in run_distributed(implementation_worker, 2):
+    for by_worker in in_process_by_rank:
+        result = by_worker["implementation"]
         assert result["for-loop"]["flags"] == (False, False)
         assert result["foreach"]["flags"] == (True, False)
         assert result["fused"]["flags"] == (False, True)
@@ -307,23 +330,26 @@ def _resume_from(run: str, step: int) -> list[str]:
     ]
 
 
-def test_resume_across_adamw_and_dmuon(tmp_path):
-    """AdamW saves at step 3, DMuon resumes from it (without the optimizer state) and
-    saves at step 6, AdamW resumes from that: the LR schedule carries on across the
-    different numbers of param groups (AdamW one, DMuon two), from the trained weights."""
+def test_resume_across_adamw_and_dmuon(tmp_path, tmp_path_factory):
+    """AdamW saves at step 3 (the AdamW baseline run of test_titan_integration.py), DMuon
+    resumes from it (without the optimizer state) and saves at step 6, AdamW resumes from
+    that: the LR schedule carries on across the different numbers of param groups (AdamW
+    one, DMuon two), from the trained weights."""
     adamw = ["--optimizer.name", "AdamW"]
     steps = "--training.steps"
     saved, dmuon, back = run_case(
         OverrideDefinitions(
             [
-                [*SHORT, steps, "3", *adamw, *CHECKPOINT],
+                ADAMW,
                 [*SHORT, *_resume_from("run0", 3)],
                 [*SHORT, steps, "9", *adamw, *_resume_from("run1", 6)],
             ],
             "AdamW -> DMuon -> AdamW through checkpoints without optimizer state",
             "resume_across_optimizers",
+            shared=(0,),
         ),
         tmp_path,
+        tmp_path_factory,
     )
     assert sorted(dmuon.losses) == [4, 5, 6] and sorted(back.losses) == [7, 8, 9]
     assert dmuon.losses[4] < saved.losses[1] - 0.1
@@ -343,16 +369,18 @@ FLOAT8_FSDP = [
 ]
 
 
-def test_float8_fsdp_all_gather(tmp_path):
+def test_float8_fsdp_all_gather(tmp_path, tmp_path_factory):
     """float8 linears (emulated on CPU) with FSDP's float8 all-gather and precomputed
     scales: the dedicated matrices train beside them, close to the run without float8."""
     plain, float8 = run_case(
         OverrideDefinitions(
-            [SHORT, [*SHORT, *FLOAT8, *FLOAT8_FSDP]],
+            [PLAIN, [*SHORT, *FLOAT8, *FLOAT8_FSDP]],
             "float8 with FSDP float8 all-gather and precomputed scales, with DMuon",
             "float8_fsdp_all_gather",
+            shared=(0,),
         ),
         tmp_path,
+        tmp_path_factory,
     )
     assert "Swapped to Float8Linear layers with enable_fsdp_float8_all_gather=True" in (
         float8.output

@@ -36,6 +36,10 @@ class OverrideDefinitions:
     log_rank: int = 0
     """The rank whose log is read (under pipeline parallelism: one holding the last stage,
     the only one that logs the loss)."""
+    shared: tuple[int, ...] = ()
+    """Runs (by index) that other tests launch with the same arguments too: launched once
+    per session through :func:`shared_run`, and linked as ``run{i}`` into this case's
+    folder, so ``{dump}/run{i}/checkpoint`` reaches their checkpoints."""
 
 
 @dataclass
@@ -43,12 +47,18 @@ class Run:
     returncode: int
     output: str
     losses: dict[int, float]
+    dump: Path | None = None
+    """The run's ``--job.dump_folder`` (its checkpoints are under ``checkpoint/``)."""
 
 
 def run_train(args: list[str], ngpu: int, dump: Path, config_file: str, log_rank: int = 0) -> Run:
     env = dict(os.environ, NGPU=str(ngpu), LOG_RANK=str(log_rank))
     # As a user runs it: conftest's Triton interpreter would hide Triton-only paths.
     env.pop("TRITON_INTERPRET", None)
+    # An Inductor cache of its own: torch 2.13's FX graph cache can hand one rank's
+    # compiled code, with its tensor-parallel group's name baked in, to the ranks of
+    # another group ("Could not resolve the process group registered under the name").
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(dump) + "_inductor"
     cmd = ["./run_train.sh", "--job.config_file", config_file, "--job.dump_folder", str(dump)]
     proc = subprocess.run(
         [*cmd, *[a.replace("{dump}", str(dump.parent)) for a in args]],
@@ -60,14 +70,42 @@ def run_train(args: list[str], ngpu: int, dump: Path, config_file: str, log_rank
     )
     output = proc.stdout + proc.stderr
     losses = {int(s): float(v) for s, v in LOSS.findall(output)}
-    return Run(proc.returncode, output, losses)
+    return Run(proc.returncode, output, losses, dump)
 
 
-def run_case(case: OverrideDefinitions, tmp_path: Path) -> list[Run]:
+_SHARED_RUNS: dict[tuple, Run] = {}
+
+
+def shared_run(
+    args: list[str],
+    ngpu: int,
+    factory: pytest.TempPathFactory,
+    config_file: str = "train_configs/debug_cpu.toml",
+    log_rank: int = 0,
+) -> Run:
+    """:func:`run_train` for a run that several tests assert on (each launch costs 20-40 s
+    of start-up on CPU): launched once per session, by the first test that asks for these
+    arguments, into a folder of the session's; later tests get the same :class:`Run`."""
+    assert not any("{dump}" in a for a in args), "a shared run has no case folder"
+    key = (tuple(args), ngpu, config_file, log_rank)
+    if key not in _SHARED_RUNS:
+        dump = factory.mktemp("shared") / "run"
+        _SHARED_RUNS[key] = run_train(list(args), ngpu, dump, config_file, log_rank)
+    return _SHARED_RUNS[key]
+
+
+def run_case(
+    case: OverrideDefinitions, tmp_path: Path, factory: pytest.TempPathFactory | None = None
+) -> list[Run]:
+    """Each run of ``case`` in order (``factory``: for its ``shared`` runs)."""
     ngpus = case.ngpu if isinstance(case.ngpu, list) else [case.ngpu] * len(case.override_args)
     runs = []
     for i, (args, ngpu) in enumerate(zip(case.override_args, ngpus, strict=True)):
-        run = run_train(args, ngpu, tmp_path / f"run{i}", case.config_file, case.log_rank)
+        if i in case.shared:
+            run = shared_run(args, ngpu, factory, case.config_file, case.log_rank)
+            (tmp_path / f"run{i}").symlink_to(run.dump, target_is_directory=True)
+        else:
+            run = run_train(args, ngpu, tmp_path / f"run{i}", case.config_file, case.log_rank)
         assert run.returncode == 0, f"{case.test_name} run {i} failed:\n{run.output[-4000:]}"
         assert run.losses and all(math.isfinite(v) for v in run.losses.values()), run.output[-2000:]
         runs.append(run)
@@ -82,12 +120,23 @@ RESUME = [
     "--checkpoint.no-initial_load_model_only",
 ]
 HSDP = ["--parallelism.data_parallel_replicate_degree", "2"]
+# The plain 2-rank FSDP2 (Z3) run, saving at steps 3 and 6: the reference of several cases
+# here and in tests/test_titan_features.py, launched once (``shared``).
+PLAIN = [*SHORT, *CHECKPOINT]
+# AdamW alone (DMuon off), saving at steps 3 and 6: the AdamW baseline case here and the
+# first run of test_resume_across_adamw_and_dmuon, launched once.
+ADAMW = [*SHORT, "--optimizer.name", "AdamW", *CHECKPOINT]
+# The moe case's config, named after the debug_cpu.toml that run_train names first: its
+# first run is also test_config_file_named_last_is_used's.
+LLAMA4_NAMED_LAST = ["--job.config_file", "train_configs/llama4_debug_moe.toml"]
+MOE_SAVING = [*LLAMA4_NAMED_LAST, *SHORT, *CHECKPOINT]
 
 CASES = {
     "fsdp_z3_z2": OverrideDefinitions(
-        [SHORT, [*SHORT, "--dmuon.reshard_after_forward", "False"]],
+        [PLAIN, [*PLAIN, "--dmuon.reshard_after_forward", "False"]],
         "FSDP-Z3 and FSDP-Z2: bit-identical losses",
         "fsdp_z3_z2",
+        shared=(0,),
     ),
     "hsdp_sync_async": OverrideDefinitions(
         [SHORT + HSDP, [*SHORT, *HSDP, "--dmuon.replicate_async"]],
@@ -96,9 +145,10 @@ CASES = {
         ngpu=4,
     ),
     "checkpoint_resume": OverrideDefinitions(
-        [SHORT + CHECKPOINT, SHORT + RESUME],
+        [PLAIN, SHORT + RESUME],
         "Checkpoint at step 3, resume on the same topology: bit-exact losses",
         "checkpoint_resume",
+        shared=(0,),
     ),
     "checkpoint_reshard": OverrideDefinitions(
         [
@@ -111,13 +161,14 @@ CASES = {
         ngpu=[4, 4, 2],
     ),
     "compile": OverrideDefinitions(
-        [SHORT, [*SHORT, "--compile.enable", "--compile.components", "model"]],
+        [PLAIN, [*SHORT, "--compile.enable", "--compile.components", "model"]],
         "Per-block torch.compile with DMuon",
         "compile",
+        shared=(0,),
     ),
     "float8": OverrideDefinitions(
         [
-            SHORT,
+            PLAIN,
             [
                 *SHORT,
                 "--model.converters",
@@ -127,6 +178,7 @@ CASES = {
         ],
         "float8 linear layers (torchao, emulated on CPU) with DMuon",
         "float8",
+        shared=(0,),
     ),
     "gradient_accumulation": OverrideDefinitions(
         [
@@ -137,16 +189,17 @@ CASES = {
         "gradient_accumulation",
     ),
     "moe": OverrideDefinitions(
-        [SHORT + CHECKPOINT, SHORT + RESUME],
+        [MOE_SAVING, [*LLAMA4_NAMED_LAST, *SHORT, *RESUME]],
         "llama4 debug MoE with the stacked routed experts dedicated, MoE and experts "
         "modules as hook boundaries; checkpoint at step 3 and resume bit-exact",
         "moe",
-        config_file="train_configs/llama4_debug_moe.toml",
+        shared=(0,),
     ),
     "adamw_baseline": OverrideDefinitions(
-        [[*SHORT[:4], "--optimizer.name", "AdamW"]],
+        [ADAMW],
         "AdamW baseline through the same train specs (DMuon off)",
         "adamw_baseline",
+        shared=(0,),
     ),
 }
 
@@ -156,9 +209,9 @@ def _values(run: Run, steps) -> list[float]:
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_integration(name, tmp_path):
+def test_integration(name, tmp_path, tmp_path_factory):
     case = CASES[name]
-    runs = run_case(case, tmp_path)
+    runs = run_case(case, tmp_path, tmp_path_factory)
     steps = range(1, 7)
     if name == "fsdp_z3_z2":
         assert _values(runs[0], steps) == _values(runs[1], steps)
@@ -209,11 +262,6 @@ BAD_INPUT = [
     (["--dmuon.params", "layers.*.nonexistent.weight"], 2, "matches no parameter"),
     (["--dmuon.params", "layers.*.attention_norm.weight"], 2, "only 2-D matrices"),
     (["--parallelism.expert_parallel_degree", "2"], 2, "does not support expert parallel"),
-    (
-        ["--parallelism.tensor_parallel_degree", "2", "--compile.enable"],
-        2,
-        "does not support compile.enable together with parallelism.tensor_parallel_degree",
-    ),
 ]
 
 
@@ -234,43 +282,34 @@ def test_unknown_dmuon_key_in_toml(tmp_path):
 
 
 def test_train_configs_parse():
-    """Every shipped config parses with the [dmuon] section (GPU ones are not run here)."""
-    code = (
-        "import sys, glob\n"
-        "from torchtitan.config import ConfigManager\n"
-        "for path in sorted(glob.glob('train_configs/*.toml')):\n"
-        "    cfg = ConfigManager().parse_args(['--job.config_file', path,\n"
-        "        '--job.custom_config_module', 'torchtitan_dmuon.titan.config'])\n"
-        "    assert cfg.optimizer.name == 'DMuon', path\n"
-        "    print(path, cfg.model.name, cfg.model.flavor, cfg.dmuon.reshard_after_forward,\n"
-        "          cfg.parallelism.data_parallel_replicate_degree)\n"
-    )
-    venv_python = ROOT / ".venv" / "bin" / "python"
-    proc = subprocess.run(
-        [str(venv_python), "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.strip().splitlines()
+    """Every shipped config parses with the [dmuon] section (GPU ones are not run here).
+    In this process: the parser is the one ./run_train.sh runs, and TorchTitan is already
+    imported here (a subprocess would spend seconds importing it again)."""
+    from torchtitan.config import ConfigManager
+
+    lines = []
+    for path in sorted((ROOT / "train_configs").glob("*.toml")):
+        cfg = ConfigManager().parse_args(
+            [
+                "--job.config_file",
+                str(path),
+                "--job.custom_config_module",
+                "torchtitan_dmuon.titan.config",
+            ]
+        )
+        assert cfg.optimizer.name == "DMuon", path
+        lines.append(
+            f"{path.relative_to(ROOT)} {cfg.model.name} {cfg.model.flavor} "
+            f"{cfg.dmuon.reshard_after_forward} {cfg.parallelism.data_parallel_replicate_degree}"
+        )
     assert len(lines) == len(list((ROOT / "train_configs").glob("*.toml")))
     assert any("llama3_8b_hsdp_z3.toml llama3 8B True 2" in line for line in lines)
     assert any("qwen3_8b_fsdp_z2.toml qwen3 8B False 1" in line for line in lines)
 
 
-def test_config_file_named_last_is_used(tmp_path):
-    """TorchTitan's parser keeps the first --job.config_file; run_train.sh the last."""
-    env = dict(os.environ, NGPU="2")
-    cmd = [
-        "./run_train.sh",
-        "--job.config_file",
-        "train_configs/debug_cpu.toml",
-        "--job.config_file",
-        "train_configs/llama4_debug_moe.toml",
-        "--job.dump_folder",
-        str(tmp_path),
-        "--training.steps",
-        "1",
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    output = proc.stdout + proc.stderr
-    assert "Building llama4 debugmodel" in output and "Building llama3" not in output
+def test_config_file_named_last_is_used(tmp_path_factory):
+    """TorchTitan's parser keeps the first --job.config_file; run_train.sh the last: the moe
+    case's first run names debug_cpu.toml, then llama4_debug_moe.toml, and trains llama4."""
+    run = shared_run(MOE_SAVING, 2, tmp_path_factory)
+    assert run.returncode == 0, run.output[-3000:]
+    assert "Building llama4 debugmodel" in run.output and "Building llama3" not in run.output

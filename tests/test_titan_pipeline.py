@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import math
 import re
+from pathlib import Path
 
 import pytest
 
-from tests.test_titan_integration import OverrideDefinitions, run_case, run_train
+from tests.test_titan_integration import OverrideDefinitions, run_case, run_train, shared_run
 
 STEPS4 = ["--training.steps", "4", "--metrics.log_freq", "1"]
 GRAD_NORM = re.compile(r"grad_norm:\s*(\S+)")
@@ -34,6 +35,8 @@ CSV = ["--parallelism.pipeline_parallel_schedule_csv", "./tests/assets/pp_schedu
 # tests/assets/pp_schedule_4mb.csv is the same kind of split-backward looped schedule), and
 # the same schedules with 2 data-parallel ranks added (FSDP; TorchTitan refuses DDP with
 # PP). log_rank: a rank holding the last stage, the only one that logs the loss.
+# TorchTitan's pp_dp_1f1b_layers_per_stage (1F1B, 4 layers per stage, PP 2 x DP 2) is the
+# 1F1B run of test_pipeline_equals_data_parallel_and_checkpoints_cross_pp, checked there.
 CASES = {
     "pp_gpipe": OverrideDefinitions([pp(2, "GPipe", *DP1)], "PP 1D GPipe", "pp_gpipe", log_rank=1),
     "pp_1f1b": OverrideDefinitions([pp(2, "1F1B", *DP1)], "PP 1D 1F1B", "pp_1f1b", log_rank=1),
@@ -59,13 +62,6 @@ CASES = {
         "pp_looped_zero_bubble",
         ngpu=4,
         log_rank=3,
-    ),
-    "pp_dp_1f1b_layers_per_stage": OverrideDefinitions(
-        [pp(2, "1F1B", "--parallelism.pipeline_parallel_layers_per_stage", "4", *DP2)],
-        "PP+DP 1F1B, 4 layers per stage",
-        "pp_dp_1f1b_layers_per_stage",
-        ngpu=4,
-        log_rank=2,
     ),
     "zbv_dp2": OverrideDefinitions(
         [pp(2, "ZBVZeroBubble", *DP2)], "PP ZBV + DP 2", "zbv_dp2", ngpu=4, log_rank=0
@@ -111,17 +107,17 @@ def test_pipeline_case_trains(name, tmp_path):
     assert sorted(run.losses) == [1, 2, 3, 4], run.output[-3000:]
     assert run.losses[4] < run.losses[1]
     assert "dmuon: optimizer step" in run.output
-    if "DP 2" in case.test_descr or name.startswith("pp_dp"):
+    if "DP 2" in case.test_descr:
         # Z2 by default under PP: one broadcast per unit per step.
         assert re.search(r"dedicate_params: .* Z2", run.output), run.output[-3000:]
 
 
-def _seed_checkpoint(tmp_path):
+def seed_checkpoint(factory: pytest.TempPathFactory) -> Path:
     """One rank's initial weights: pipeline stages seed their initialization per stage, so
     runs of different pipeline degrees start equal only from a seed checkpoint (as
-    TorchTitan's own PP tests do)."""
-    seed = tmp_path / "seed"
-    run = run_train(
+    TorchTitan's own PP tests do). Created once per session (the TP tests start from it
+    too)."""
+    run = shared_run(
         [
             *STEPS4[:2],
             "--checkpoint.enable",
@@ -131,33 +127,60 @@ def _seed_checkpoint(tmp_path):
             *DP1,
         ],
         1,
-        seed,
-        "train_configs/debug_cpu.toml",
+        factory,
     )
     assert run.returncode == 0, run.output[-3000:]
-    return seed / "checkpoint" / "step-0"
+    return run.dump / "checkpoint" / "step-0"
 
 
-def test_pipeline_equals_data_parallel_and_checkpoints_cross_pp(tmp_path):
+def from_seed(factory: pytest.TempPathFactory) -> list[str]:
+    """The arguments of the 10-step runs compared from the seed checkpoint: fp32
+    Newton-Schulz, the loss logged every step, a checkpoint every 5 steps."""
+    return [
+        "--training.steps", "10", "--metrics.log_freq", "1", *FP32_NS,
+        "--checkpoint.enable", "--checkpoint.interval", "5",
+        "--checkpoint.initial_load_path", str(seed_checkpoint(factory)),
+        "--checkpoint.initial_load_model_only",
+    ]  # fmt: skip
+
+
+def resume_from(checkpoint: Path, common: list[str]) -> list[str]:
+    """``common`` (:func:`from_seed`'s), resuming from ``checkpoint`` with its optimizer."""
+    return [
+        *common[: common.index("--checkpoint.initial_load_path")],
+        "--checkpoint.initial_load_path",
+        str(checkpoint),
+        "--checkpoint.no-initial_load_model_only",
+    ]
+
+
+def data_parallel_reference(factory: pytest.TempPathFactory):
+    """DMuon FSDP 2 without PP or TP (2 ranks) over 10 steps from the seed checkpoint: the
+    reference of the PP and the TP equality tests, launched once per session."""
+    return shared_run([*from_seed(factory), *DP2], 2, factory)
+
+
+def test_pipeline_equals_data_parallel_and_checkpoints_cross_pp(tmp_path, tmp_path_factory):
     """DMuon PP 2 x DP 2 (GPipe and 1F1B with FSDP, ZBV zero bubble with DDP-style data
     parallelism; 4 ranks) equals DMuon PP 1 x DP 2 (2 ranks, same data) within 1e-4 over
     10 steps; a checkpoint saved at PP 2 resumes bit-exact at PP 2
     and continues within 1e-4 at PP 1.
 
+    The 1F1B run is TorchTitan's pp_dp_1f1b_layers_per_stage case (4 layers per stage:
+    the same two stages as the default split): its loss falls, DMuon steps, Z2 by default.
+
     Equal gradients need DMuon's trainer: TorchTitan 0.2.2 back-propagates a pipeline's
     summed loss, not divided by the global token count as without PP, which DMuon undoes
     before clipping (the grad norms logged by the runs agree too).
     """
-    init = _seed_checkpoint(tmp_path)
-    common = [
-        "--training.steps", "10", "--metrics.log_freq", "1", *FP32_NS,
-        "--checkpoint.enable", "--checkpoint.interval", "5",
-        "--checkpoint.initial_load_path", str(init), "--checkpoint.initial_load_model_only",
-    ]  # fmt: skip
+    common = from_seed(tmp_path_factory)
     config = "train_configs/debug_cpu.toml"
-    reference = run_train([*common, *DP2], 2, tmp_path / "pp1", config)
+    reference = data_parallel_reference(tmp_path_factory)
     gpipe = run_train([*common, *pp(2, "GPipe", *DP2)], 4, tmp_path / "gpipe", config, 2)
-    one_f_one_b = run_train([*common, *pp(2, "1F1B", *DP2)], 4, tmp_path / "1f1b", config, 2)
+    layers_per_stage = ["--parallelism.pipeline_parallel_layers_per_stage", "4"]
+    one_f_one_b = run_train(
+        [*common, *pp(2, "1F1B", *layers_per_stage, *DP2)], 4, tmp_path / "1f1b", config, 2
+    )
     # Zero bubble with DMuon's DDP-style data parallelism (FSDP2's own parameters get
     # wrong gradients from torch's zero-bubble weight pass; TorchTitan refuses its DDP).
     replicate = ["--parallelism.data_parallel_replicate_degree", "2", *DP1]
@@ -170,16 +193,18 @@ def test_pipeline_equals_data_parallel_and_checkpoints_cross_pp(tmp_path):
     assert [gpipe.losses[s] for s in steps] == pytest.approx(expected, rel=1e-4)
     assert [one_f_one_b.losses[s] for s in steps] == pytest.approx(expected, rel=1e-4)
     assert [zbv.losses[s] for s in steps] == pytest.approx(expected, rel=1e-4)
+    assert one_f_one_b.losses[10] < one_f_one_b.losses[1]
+    assert "dmuon: optimizer step" in one_f_one_b.output
+    # Z2 by default under PP: one broadcast per unit per step.
+    assert re.search(r"dedicate_params: .* Z2", one_f_one_b.output), one_f_one_b.output[-3000:]
     norms = [float(n) for n in GRAD_NORM.findall(reference.output)]
     assert len(norms) == 10
     assert [float(n) for n in GRAD_NORM.findall(gpipe.output)] == pytest.approx(norms, rel=1e-3)
 
     saved = tmp_path / "1f1b" / "checkpoint" / "step-5"
     assert saved.is_dir()
-    resume = [
-        *common[: common.index("--checkpoint.initial_load_path")],
-        "--checkpoint.initial_load_path", str(saved), "--checkpoint.no-initial_load_model_only",
-    ]  # fmt: skip
+    resume = resume_from(saved, common)
+    # Resumed with TorchTitan's default split (the same two stages).
     same = run_train([*resume, *pp(2, "1F1B", *DP2)], 4, tmp_path / "resume_pp2", config, 2)
     flat = run_train([*resume, *DP2], 2, tmp_path / "resume_pp1", config)
     later = list(range(6, 11))
