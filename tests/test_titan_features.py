@@ -24,6 +24,7 @@ from tests.test_titan_integration import (
     PLAIN,
     ROOT,
     SHORT,
+    Z2_PROFILED_HF,
     OverrideDefinitions,
     run_case,
 )
@@ -67,31 +68,21 @@ def test_bad_choice_rejected_at_parse_time(field, value, tmp_path, capsys):
         parse("--job.config_file", str(bad))
 
 
-PROFILE = [
-    "--profiling.enable_profiling",
-    "--profiling.profile_freq",
-    "2",
-    "--profiling.profiler_warmup",
-    "0",
-    "--profiling.profiler_active",
-    "1",
-]
-HF_EXPORT = ["--checkpoint.last_save_model_only", "--checkpoint.last_save_in_hf"]
 # The states of a full DCP checkpoint beside the model's weights.
 NOT_MODEL = {"optimizer", "lr_scheduler", "dataloader", "train_state"}
 
 
 def test_cpu_profiling_and_hf_export_of_dedicated_matrices(tmp_path, tmp_path_factory):
-    """One run profiles every second step on CPU and exports HF safetensors at its last
-    step (6); the plain run (test_titan_integration.py's, otherwise identical) saves a
-    full DCP checkpoint there. The export holds every weight (the dedicated ones, which
-    only their owner saves, included) exactly as DCP has it."""
+    """The FSDP-Z2 run of test_titan_integration.py's fsdp_z3_z2 case profiles every
+    second step on CPU and exports HF safetensors at its last step (6); the plain (Z3) run,
+    bit-identical to it, saves a full DCP checkpoint there. The export holds every weight
+    (the dedicated ones, which only their owner saves, included) exactly as DCP has it."""
     exported, saved = run_case(
         OverrideDefinitions(
-            [[*PLAIN, *PROFILE, *HF_EXPORT], PLAIN],
+            [Z2_PROFILED_HF, PLAIN],
             "CPU profiler traces and an HF export beside a DCP checkpoint",
             "profile_hf_export",
-            shared=(1,),
+            shared=(0, 1),
         ),
         tmp_path,
         tmp_path_factory,

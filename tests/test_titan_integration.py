@@ -123,6 +123,20 @@ HSDP = ["--parallelism.data_parallel_replicate_degree", "2"]
 # The plain 2-rank FSDP2 (Z3) run, saving at steps 3 and 6: the reference of several cases
 # here and in tests/test_titan_features.py, launched once (``shared``).
 PLAIN = [*SHORT, *CHECKPOINT]
+PROFILE = [
+    "--profiling.enable_profiling",
+    "--profiling.profile_freq",
+    "2",
+    "--profiling.profiler_warmup",
+    "0",
+    "--profiling.profiler_active",
+    "1",
+]
+HF_EXPORT = ["--checkpoint.last_save_model_only", "--checkpoint.last_save_in_hf"]
+# FSDP2 Z2, otherwise the plain run, profiled on CPU and saving its last step (6) as HF
+# safetensors: the fsdp_z3_z2 case's Z2 run and the export of
+# test_cpu_profiling_and_hf_export_of_dedicated_matrices, launched once.
+Z2_PROFILED_HF = [*PLAIN, "--dmuon.reshard_after_forward", "False", *PROFILE, *HF_EXPORT]
 # AdamW alone (DMuon off), saving at steps 3 and 6: the AdamW baseline case here and the
 # first run of test_resume_across_adamw_and_dmuon, launched once.
 ADAMW = [*SHORT, "--optimizer.name", "AdamW", *CHECKPOINT]
@@ -133,10 +147,10 @@ MOE_SAVING = [*LLAMA4_NAMED_LAST, *SHORT, *CHECKPOINT]
 
 CASES = {
     "fsdp_z3_z2": OverrideDefinitions(
-        [PLAIN, [*PLAIN, "--dmuon.reshard_after_forward", "False"]],
-        "FSDP-Z3 and FSDP-Z2: bit-identical losses",
+        [PLAIN, Z2_PROFILED_HF],
+        "FSDP-Z3 and FSDP-Z2 (profiled, exporting HF at the end): bit-identical losses",
         "fsdp_z3_z2",
-        shared=(0,),
+        shared=(0, 1),
     ),
     "hsdp_sync_async": OverrideDefinitions(
         [SHORT + HSDP, [*SHORT, *HSDP, "--dmuon.replicate_async"]],
