@@ -1,7 +1,9 @@
 """A tiny transformer with "proj" matrices, shared by the tests."""
 
 import torch
+import torch.distributed._functional_collectives as funcol
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 
 class Block(nn.Module):
@@ -71,10 +73,43 @@ class ExpertBlock(Block):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = super().forward(x)
         gate = torch.softmax(self.router(x), dim=-1)
+        experts = self.stacked_experts()
+        if isinstance(experts, DTensor):
+            return x + self.expert_out(_expert_parallel_mix(x, gate, experts))
         # Smooth (as SwiGLU experts are): equality tests need no ReLU kink that rounding
         # noise can cross.
-        hidden = nn.functional.silu(torch.einsum("bsd,edh->bseh", x, self.stacked_experts()))
+        hidden = nn.functional.silu(torch.einsum("bsd,edh->bseh", x, experts))
         return x + self.expert_out(torch.einsum("bse,bseh->bsh", gate, hidden))
+
+
+def _expert_parallel_mix(x: torch.Tensor, gate: torch.Tensor, experts: DTensor) -> torch.Tensor:
+    """The gate-weighted expert outputs under expert parallelism (``experts`` sharded
+    along dim 0 over the ep mesh): the ep group's tokens are gathered, each rank runs
+    them through its local experts, and each rank's tokens get the sum of the partial
+    mixtures (autograd-aware collectives). What EP's token dispatch computes, for a soft mixture;
+    each expert's gradient then holds every token of the ep group."""
+    mesh = experts.device_mesh
+    group, rank = mesh.get_group(), mesh.get_local_rank()
+    local = experts.to_local()
+    first = rank * local.shape[0]
+    tokens = funcol.wait_tensor(funcol.all_gather_single_autograd(x.contiguous(), 0, group))
+    gates = funcol.wait_tensor(funcol.all_gather_single_autograd(gate.contiguous(), 0, group))
+    gates = gates[..., first : first + local.shape[0]]
+    hidden = nn.functional.silu(torch.einsum("bsd,edh->bseh", tokens, local))
+    partial = torch.einsum("bse,bseh->bsh", gates, hidden)
+    return funcol.wait_tensor(funcol.reduce_scatter_single_autograd(partial, "sum", 0, group))
+
+
+def shard_experts(model: nn.Module, ep_mesh) -> None:
+    """Expert parallelism: each ExpertBlock's stack sharded along dim 0 over ``ep_mesh``
+    (as TorchTitan's ExpertParallel lays out routed experts; every rank has the same
+    values, so each keeps its slice without communication)."""
+    for block in model.layers:
+        if isinstance(block, ExpertBlock):
+            stack = distribute_tensor(
+                block.experts_proj.detach(), ep_mesh, [Shard(0)], src_data_rank=None
+            )
+            block.experts_proj = nn.Parameter(stack)
 
 
 class SplitExpertBlock(ExpertBlock):

@@ -146,52 +146,102 @@ def test_rank_that_owns_nothing_still_trains():
         _assert_params_close(r[0], reference, rtol=1e-4, atol=1e-5)
 
 
+# Two ExpertBlocks (6 experts each) on 4 ranks, 6 steps, fp32 Newton-Schulz.
+EXPERTS = dict(
+    model_kwargs=dict(block=ExpertBlock),
+    predicate=proj_or_experts_predicate,
+    ns_dtype=torch.float32,
+    steps=6,
+)
+
+
+def _per_expert_reference() -> dict:
+    """One-process torch.optim.Muon + AdamW on the ExpertBlock model with one 2-D
+    parameter per expert, its experts stacked back under the stack's name."""
+    reference = train_reference(
+        4, steps=6, ns_dtype=torch.float32, model_kwargs=dict(block=SplitExpertBlock)
+    )
+    params = reference["params"]
+    for layer in range(2):
+        prefix = f"layers.{layer}.experts_proj_split."
+        split = [params.pop(f"{prefix}{e}") for e in range(ExpertBlock.experts)]
+        params[f"layers.{layer}.experts_proj"] = torch.stack(split)
+    return reference
+
+
+def _assert_trains_like_per_expert_muon(runs, reference, pieces) -> None:
+    """Each rank's losses and parameters equal the per-expert reference; every matrix and
+    each of ``pieces`` (of each stack) has exactly one owner, and every expert matrix is
+    orthogonalized once per step, on its owner only."""
+    for result in runs:
+        assert result["losses"] == pytest.approx(reference["losses"], rel=1e-4)
+        _assert_params_close(result, reference, rtol=1e-4, atol=1e-5)
+    owners = [name for r in runs for name in r["owned"]]
+    assert sorted(owners) == sorted(
+        [f"layers.{i}.{n}" for i in range(2) for n in PROJ_NAMES]
+        + [f"layers.{i}.experts_proj{p}" for i in range(2) for p in pieces]
+    )
+    matrices_per_step = 2 * (len(PROJ_NAMES) + ExpertBlock.experts)
+    assert sum(r["ns_matrices"] for r in runs) == 6 * matrices_per_step
+
+
 def test_stacked_experts_are_owned_per_expert_and_match_muon_per_expert():
     """A 3-D experts weight (6 experts) is split into one piece of contiguous experts per
     rank (2, 2, 1, 1 experts on 4 ranks), each with its own owner, balanced with the
     dense matrices; it trains like torch.optim.Muon with one 2-D parameter per expert,
     each expert orthogonalized once per step across the job; between steps a rank holds
     the values of its column's units only, never a whole stack."""
-    experts = dict(
-        model_kwargs=dict(block=ExpertBlock),
-        predicate=proj_or_experts_predicate,
-        ns_dtype=torch.float32,
-        steps=6,
-    )
     configs = [
-        dict(experts, fsdp=True, z3=True),
-        dict(experts, fsdp=True, z3=False),
-        dict(experts, hsdp_shape=(2, 2), replicate_async=True),
+        dict(EXPERTS, fsdp=True, z3=True),
+        dict(EXPERTS, fsdp=True, z3=False),
+        dict(EXPERTS, hsdp_shape=(2, 2), replicate_async=True),
     ]
     by_rank = run_distributed(train_configs, 4, configs)
-    reference = train_reference(
-        4, steps=6, ns_dtype=torch.float32, model_kwargs=dict(block=SplitExpertBlock)
-    )
-    ref_params = reference["params"]
-    for layer in range(2):
-        prefix = f"layers.{layer}.experts_proj_split."
-        split = [ref_params.pop(f"{prefix}{e}") for e in range(ExpertBlock.experts)]
-        ref_params[f"layers.{layer}.experts_proj"] = torch.stack(split)
+    reference = _per_expert_reference()
     pieces = ["[0:2]", "[2:4]", "[4:5]", "[5:6]"]
     stack_numel = ExpertBlock.experts * 32 * 64
     dense_numel = 4 * 32 * 32 + 2 * 32 * 64
     for config, runs in zip(configs, zip(*by_rank, strict=True), strict=True):
-        for result in runs:
-            assert result["losses"] == pytest.approx(reference["losses"], rel=1e-4)
-            _assert_params_close(result, reference, rtol=1e-4, atol=1e-5)
-        owners = [name for r in runs for name in r["owned"]]
-        assert sorted(owners) == sorted(
-            [f"layers.{i}.{n}" for i in range(2) for n in PROJ_NAMES]
-            + [f"layers.{i}.experts_proj{p}" for i in range(2) for p in pieces]
-        )
+        _assert_trains_like_per_expert_muon(runs, reference, pieces)
         for layer in range(2):  # each rank owns one piece of each stack
             stack = f"layers.{layer}.experts_proj["
             assert [sum(n.startswith(stack) for n in r["owned"]) for r in runs] == [1] * 4
-        # Every expert matrix is orthogonalized once per step, on its owner only.
-        matrices_per_step = 2 * (len(PROJ_NAMES) + ExpertBlock.experts)
-        assert sum(r["ns_matrices"] for r in runs) == 6 * matrices_per_step
         # Values held between steps: each unit once per replica, on its column.
         replicas = config.get("hsdp_shape", (1,))[0]
         held = [r["memory"]["params"] // 4 for r in runs]
         assert sum(held) == 2 * (dense_numel + stack_numel) * replicas
         assert max(held) < 2 * stack_numel
+
+
+def test_expert_parallel_stacks_are_dedicated_over_efsdp_and_match_muon_per_expert():
+    """Expert parallelism (each stack sharded over an ep mesh of 2, each rank holding 3 of
+    the 6 experts): a rank's local experts are dedicated over the ranks that hold the
+    same experts (efsdp 2; under HSDP 2 x 2 the replicate group, efsdp 1), the dense
+    matrices over all data-parallel ranks. It trains like one-process torch.optim.Muon
+    with one 2-D parameter per expert; each expert is orthogonalized once per step
+    across the job, by one owner; the experts' reduce and broadcast run on the 2-rank
+    groups only, the dense ones on the 4-rank group."""
+    configs = [
+        dict(EXPERTS, ep=2, fsdp=True, z3=True),
+        dict(EXPERTS, ep=2, hsdp_shape=(2, 2), replicate_async=True),
+    ]
+    by_rank = run_distributed(train_configs, 4, configs)
+    reference = _per_expert_reference()
+    # Each ep rank's 3 local experts in 2 pieces (2 + 1).
+    pieces = ["[0:2]", "[2:3]", "[3:5]", "[5:6]"]
+    for config, runs in zip(configs, zip(*by_rank, strict=True), strict=True):
+        _assert_trains_like_per_expert_muon(runs, reference, pieces)
+        if "hsdp_shape" in config:
+            continue
+        for r in runs:
+            dense_bytes, expert_bytes = r["bucket_bytes"]
+            step = r["collectives"][2]  # a steady-state step
+            # Engine's own accounting and the torch.distributed calls, by group size.
+            assert r["stats"]["bytes"]["expert_reduce"] == 6 * expert_bytes
+            assert r["stats"]["bytes"]["reduce"] == 6 * dense_bytes
+            assert step["group_bytes"][("reduce", 2)] == expert_bytes
+            assert step["group_bytes"][("reduce", 4)] == dense_bytes
+            # 2 layers x 3 local experts of 32 x 64, plus one flag per unit.
+            assert expert_bytes == 4 * (2 * 3 * 32 * 64 + 4)
+            broadcasts = {size: step["group_bytes"].get(("broadcast", size), 0) for size in (2, 4)}
+            assert broadcasts[2] == step["bytes"]["broadcast"] - broadcasts[4] > 0

@@ -390,7 +390,10 @@ def test_expert_parallel_trains_on_cpu_with_adamw(tmp_path):
     adamw = ["--optimizer.name", "AdamW", "--training.steps", "4", "--metrics.log_freq", "1"]
     ep1, ep2 = run_case(
         OverrideDefinitions(
-            [adamw, [*adamw, "--parallelism.expert_parallel_degree", "2"]],
+            [
+                [*adamw, "--parallelism.expert_parallel_degree", "1"],
+                [*adamw, "--parallelism.expert_parallel_degree", "2"],
+            ],
             "llama4 debug MoE, FSDP2 + AdamW, EP 1 and EP 2",
             "expert_parallel_adamw",
             ngpu=4,
@@ -401,23 +404,3 @@ def test_expert_parallel_trains_on_cpu_with_adamw(tmp_path):
     steps = range(1, 5)
     assert [ep2.losses[s] for s in steps] == pytest.approx([ep1.losses[s] for s in steps], rel=1e-4)
     assert ep1.losses[4] < ep1.losses[1]
-
-
-def test_deepseek_v3_trains_with_dmuon(tmp_path):
-    """TorchTitan's deepseek_v3 debug MoE (multi-head latent attention) with DMuon through
-    its own train spec: the matrices the config names are dedicated (6 layers x 4
-    attention projections, one dense FFN, 5 MoE layers x 3 shared-expert matrices and 3
-    stacks of 8 routed experts), Z3 and Z2 give identical losses, and the loss falls."""
-    z3, z2 = run_case(
-        OverrideDefinitions(
-            [SHORT, [*SHORT, "--dmuon.reshard_after_forward", "False"]],
-            "deepseek_v3 debug MoE with DMuon, Z3 and Z2",
-            "deepseek_v3",
-            config_file="train_configs/deepseek_v3_debug_moe.toml",
-        ),
-        tmp_path,
-    )
-    assert "dedicate_params: 57 parameters (162 matrices)" in z3.output
-    steps = range(1, 7)
-    assert [z3.losses[s] for s in steps] == [z2.losses[s] for s in steps]
-    assert z3.losses[6] < z3.losses[1] - 0.2

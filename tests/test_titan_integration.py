@@ -275,7 +275,14 @@ BAD_INPUT = [
     (["--dmuon.bogus", "1"], 2, "Unrecognized options"),
     (["--dmuon.params", "layers.*.nonexistent.weight"], 2, "matches no parameter"),
     (["--dmuon.params", "layers.*.attention_norm.weight"], 2, "only 2-D matrices"),
-    (["--parallelism.expert_parallel_degree", "2"], 2, "does not support expert parallel"),
+    (["--parallelism.expert_parallel_degree", "2"], 2, "needs a MoE model"),
+    # llama4_debug_moe.toml runs with expert parallelism 2.
+    ([*LLAMA4_NAMED_LAST, "--dmuon.params", "layers.*.moe.experts.w9"], 2, "matches no parameter"),
+    (
+        [*LLAMA4_NAMED_LAST, "--parallelism.tensor_parallel_degree", "2"],
+        2,
+        "does not support expert parallel together with tensor parallel",
+    ),
 ]
 
 
@@ -314,11 +321,15 @@ def test_train_configs_parse():
         assert cfg.optimizer.name == "DMuon", path
         lines.append(
             f"{path.relative_to(ROOT)} {cfg.model.name} {cfg.model.flavor} "
-            f"{cfg.dmuon.reshard_after_forward} {cfg.parallelism.data_parallel_replicate_degree}"
+            f"{cfg.dmuon.reshard_after_forward} {cfg.parallelism.data_parallel_replicate_degree} "
+            f"{cfg.parallelism.expert_parallel_degree}"
         )
     assert len(lines) == len(list((ROOT / "train_configs").glob("*.toml")))
-    assert any("llama3_8b_hsdp_z3.toml llama3 8B True 2" in line for line in lines)
-    assert any("qwen3_8b_fsdp_z2.toml qwen3 8B False 1" in line for line in lines)
+    assert any("llama3_8b_hsdp_z3.toml llama3 8B True 2 1" in line for line in lines)
+    assert any("qwen3_8b_fsdp_z2.toml qwen3 8B False 1 1" in line for line in lines)
+    assert any("qwen3_30b_a3b_ep8.toml qwen3 30B-A3B True 1 8" in line for line in lines)
+    assert any("deepseek_v3_16b_ep8.toml deepseek_v3 16B True 1 8" in line for line in lines)
+    assert any("qwen3_debug_moe.toml qwen3 debugmodel_moe True 1 2" in line for line in lines)
 
 
 def test_config_file_named_last_is_used(tmp_path_factory):

@@ -15,6 +15,7 @@ from tests.test_titan_integration import OverrideDefinitions, run_case, run_trai
 STEPS4 = ["--training.steps", "4", "--metrics.log_freq", "1"]
 GRAD_NORM = re.compile(r"grad_norm:\s*(\S+)")
 FP32_NS = ["--dmuon.ns_dtype", "float32", "--dmuon.ns_backend", "torch"]
+CONFIG = "train_configs/debug_cpu.toml"
 
 
 def pp(degree: int, schedule: str, *more: str) -> list[str]:
@@ -112,11 +113,12 @@ def test_pipeline_case_trains(name, tmp_path):
         assert re.search(r"dedicate_params: .* Z2", run.output), run.output[-3000:]
 
 
-def seed_checkpoint(factory: pytest.TempPathFactory) -> Path:
-    """One rank's initial weights: pipeline stages seed their initialization per stage, so
-    runs of different pipeline degrees start equal only from a seed checkpoint (as
-    TorchTitan's own PP tests do). Created once per session (the TP tests start from it
-    too)."""
+def seed_checkpoint(factory: pytest.TempPathFactory, config_file: str = CONFIG) -> Path:
+    """One rank's initial weights: pipeline stages seed their initialization per stage, and
+    an expert-parallel stack initializes otherwise than a whole one, so runs of different
+    pipeline or expert-parallel degrees start equal only from a seed checkpoint (as
+    TorchTitan's own PP tests do). Created once per session and config (the TP tests
+    start from the default config's too)."""
     run = shared_run(
         [
             *STEPS4[:2],
@@ -125,21 +127,24 @@ def seed_checkpoint(factory: pytest.TempPathFactory) -> Path:
             "--training.steps",
             "1",
             *DP1,
+            "--parallelism.expert_parallel_degree",
+            "1",
         ],
         1,
         factory,
+        config_file,
     )
     assert run.returncode == 0, run.output[-3000:]
     return run.dump / "checkpoint" / "step-0"
 
 
-def from_seed(factory: pytest.TempPathFactory) -> list[str]:
+def from_seed(factory: pytest.TempPathFactory, config_file: str = CONFIG) -> list[str]:
     """The arguments of the 10-step runs compared from the seed checkpoint: fp32
     Newton-Schulz, the loss logged every step, a checkpoint every 5 steps."""
     return [
         "--training.steps", "10", "--metrics.log_freq", "1", *FP32_NS,
         "--checkpoint.enable", "--checkpoint.interval", "5",
-        "--checkpoint.initial_load_path", str(seed_checkpoint(factory)),
+        "--checkpoint.initial_load_path", str(seed_checkpoint(factory, config_file)),
         "--checkpoint.initial_load_model_only",
     ]  # fmt: skip
 

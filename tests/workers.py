@@ -14,7 +14,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
-from tests.models import batch, loss_fn, make_model, proj_predicate
+from tests.models import batch, loss_fn, make_model, proj_predicate, shard_experts
 from torchtitan_dmuon import (
     Muon,
     clip_grad_norm_,
@@ -97,6 +97,7 @@ def train_dmuon(
     checkpoint_blocks=False,
     skewed_prefetch=False,
     fail_before_step=None,
+    ep=1,
 ):
     """Train the tiny transformer with DMuon; return losses, full params and counters.
 
@@ -109,6 +110,8 @@ def train_dmuon(
     under no FSDP module); ``meta_init="swap"`` materializes with ``swap_tensors`` (as
     tensor-subclass parameters force); ``fail_before_step`` runs one pass whose backward
     raises half-way on every rank before that step, caught as a training loop would.
+    ``ep`` > 1 shards the ExpertBlocks' stacks over an ``ep`` mesh (TorchTitan's sparse
+    layout: replicate x efsdp x ep, ep innermost) and dedicates them over ``efsdp``.
     """
     if hsdp_shape is None:
         mesh = fsdp_mesh = init_device_mesh("cpu", (world,))
@@ -121,6 +124,14 @@ def train_dmuon(
             model = make_model(seed=0, **(model_kwargs or {}))
     else:
         model = make_model(seed=0, **(model_kwargs or {}))
+    expert_mesh = None
+    if ep > 1:
+        replicas, shards = hsdp_shape or (1, world)
+        sparse = init_device_mesh(
+            "cpu", (replicas, shards // ep, ep), mesh_dim_names=("replicate", "efsdp", "ep")
+        )
+        shard_experts(model, sparse["ep"])
+        expert_mesh = sparse["efsdp"]
     if checkpoint_blocks:
         # Activation checkpointing around each block; the hook boundaries are the blocks
         # inside the wrappers, so their hooks run again during the backward recompute.
@@ -134,6 +145,7 @@ def train_dmuon(
         replicate_mesh=replicate_mesh,
         reshard_after_forward=z3,
         hook_boundary_predicate=hook_boundary_predicate,
+        expert_mesh=expert_mesh,
     )
     if skewed_prefetch:
         dedication.replicas_landed = lambda boundary: rank % 2 == 1
@@ -191,7 +203,7 @@ def train_dmuon(
             if clip is not None:
                 norms.append(clip_grad_norm_(model, clip).item())
             opt.step()
-        per_step.append(counter.snapshot())
+        per_step.append({**counter.snapshot(), "group_bytes": dict(counter.group_bytes)})
         dist.all_reduce(total)
         losses.append(total.item() / world)
         if step == snapshot_at:
@@ -201,13 +213,21 @@ def train_dmuon(
         "norms": norms,
         "params": full_params(model, names),
         "ns_matrices": opt.ns_matrices,
-        # A piece of a split stack as "name[start:stop]".
+        # A piece of a split stack as "name[start:stop]" (experts of the whole stack).
         "owned": sorted(
-            d.name if d.experts is None else f"{d.name}[{d.experts[0]}:{d.experts[1]}]"
+            d.name
+            if d.experts is None
+            else f"{d.name}[{d.global_experts[0]}:{d.global_experts[1]}]"
             for u in dedication.units
             if u.primary
             for d in u.params
         ),
+        # Reduce-bucket bytes (values and one flag per matrix) of the plan's units, by
+        # domain: what each rank sends to the owners per synced backward.
+        "bucket_bytes": [
+            sum(4 * (u.numel + len(u.params)) for u in dedication.plan.units if u.domain == k)
+            for k in range(len(dedication.plan.domains))
+        ],
         "memory": dedication.memory_bytes(),
         "snapshot": snapshot,
         "events": events,

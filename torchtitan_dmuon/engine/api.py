@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from torchtitan_dmuon.engine import comm
 from torchtitan_dmuon.engine.dedication import Dedication, get_dedication
-from torchtitan_dmuon.engine.plan import BoundaryPredicate, build_plan
+from torchtitan_dmuon.engine.plan import BoundaryPredicate, build_plan, is_expert_parallel
 from torchtitan_dmuon.engine.selection import Predicate, select_matrices
 from torchtitan_dmuon.engine.settings import DedicationSettings
 from torchtitan_dmuon.optim.newton_schulz import matrix_count
@@ -58,7 +58,12 @@ def get_full_param(model: nn.Module, name: str) -> torch.Tensor:
     # A split stack: its pieces in expert order, each from its owner (the same order
     # on every rank, so the broadcasts match).
     pieces = [_read_entry(dedication, unit, d) for unit, d in found]
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    value = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    param = found[0][1].param
+    if is_expert_parallel(param):  # every ep rank's local experts, in order
+        value = DTensor.from_local(value, param.device_mesh, [Shard(0)], run_check=False)
+        value = value.full_tensor()
+    return value
 
 
 def _read_entry(dedication: Dedication, unit, d) -> torch.Tensor:
@@ -71,7 +76,8 @@ def _read_entry(dedication: Dedication, unit, d) -> torch.Tensor:
     if replicas is not None and unit.holds:
         replicas.wait(unit)
         comm.broadcast(value, unit.primary_replica, replicas.group, dedication.stats, "read").wait()
-    comm.broadcast(value, unit.column, dedication.shard_group, dedication.stats, "read").wait()
+    shard_group = dedication.domain_of(unit).shard_group
+    comm.broadcast(value, unit.column, shard_group, dedication.stats, "read").wait()
     if d.split_dim is not None:  # tensor parallelism: the shards, side by side
         value = torch.cat(dedication.gather_shards(value), dim=d.split_dim)
     return value
@@ -135,36 +141,65 @@ def _ancestors(name: str) -> list[str]:
 def verify_plan(dedication: Dedication) -> None:
     """Check that every data-parallel rank holds the same plan and sits where the
     (replicate, shard) layout says: one small all-gather over the shard group, one over
-    the replicate group (HSDP). The same gathers tell each rank the global rank of
-    every owner slot (``Dedication.slot_ranks``, which checkpoints of split stacks name).
+    the replicate group (HSDP), and first one over the experts' shard group (expert
+    parallelism). The same gathers tell each rank the global rank of every owner slot
+    (``Dedication.slot_ranks`` and ``expert_slot_ranks``, which checkpoints of split
+    stacks name).
 
-    Both gathers run before anything is judged, and the second carries each shard
-    group's verdict, so every rank of the data-parallel groups raises alike and a
+    All gathers run before anything is judged, and each later one carries the verdicts
+    of the earlier groups, so every rank of the data-parallel groups raises alike and a
     mismatch cannot reach a later collective. Ranks outside them (other pipeline stages)
     are not involved: a stage's plan is its own.
     """
-    device = torch.device("cpu")
-    if dedication.mesh.device_type != "cpu":
-        device = torch.device(dedication.mesh.device_type, torch.accelerator.current_device_index())
+    device = _mesh_device(dedication.mesh)
     fingerprint = dedication.plan.fingerprint(dedication.settings.reshard_after_forward)
-    mine = [fingerprint, dedication.replicate_rank, dedication.shard_rank, dist.get_rank()]
-    shard_table = _all_gather_rows(mine, dedication.shard_group, device)
-    error = _layout_error(shard_table, "shard")
-    # Global ranks of this replica's columns, in column order (when the layout holds).
-    columns = [row[3] for row in sorted(shard_table, key=lambda row: row[2])]
-    slot_ranks = columns
+    coordinates = [fingerprint, dedication.replicate_rank]
+    error, expert_rank, ep_rank = None, 0, 0
+    if len(dedication.domains) == 2:
+        experts = dedication.domains[1]
+        expert_rank, ep_rank = experts.rank, dedication.ep_mesh.get_local_rank()
+        rows = _all_gather_rows(coordinates + [expert_rank], experts.shard_group, device)
+        error = _layout_error(rows, "efsdp")
+    mine = coordinates + [dedication.shard_rank, dist.get_rank(), error is None]
+    shard_table = _all_gather_rows(mine + [expert_rank, ep_rank], dedication.shard_group, device)
+    error = error or _layout_error([row[:3] for row in shard_table], "shard")
+    if error is None and not all(row[4] for row in shard_table):
+        error = RuntimeError(
+            "the ranks of another efsdp group disagree about the dedication plan or "
+            "layout (see the error on those ranks)"
+        )
+    # (global rank, experts' column, ep rank) of this replica's columns, in column order.
+    columns = [x for row in sorted(shard_table, key=lambda row: row[2]) for x in row[3:4] + row[5:]]
+    tables = [columns]
     if dedication.replicas is not None:
-        rows = _all_gather_rows(mine + [error is None] + columns, dedication.replicas.group, device)
+        rows = _all_gather_rows(
+            mine[:4] + [error is None] + columns, dedication.replicas.group, device
+        )
         error = error or _layout_error([row[:3] for row in rows], "replicate")
         if error is None and not all(row[4] for row in rows):
             error = RuntimeError(
                 "the ranks of another replica's shard group disagree about the dedication "
                 "plan or layout (see the error on those ranks)"
             )
-        slot_ranks = [rank for row in sorted(rows, key=lambda row: row[1]) for rank in row[5:]]
+        tables = [row[5:] for row in sorted(rows, key=lambda row: row[1])]
     if error is not None:
         raise error
-    dedication.slot_ranks = slot_ranks
+    triples = [table[i : i + 3] for table in tables for i in range(0, len(table), 3)]
+    dedication.slot_ranks = [rank for rank, _, _ in triples]
+    if len(dedication.domains) == 2:
+        per_replica = dedication.domains[1].size
+        expert_slots = per_replica * dedication.replicate_size
+        expert_slot_ranks = [[0] * expert_slots for _ in range(dedication.ep_mesh.size())]
+        for slot, (rank, column, ep) in enumerate(triples):
+            replica = slot // dedication.shard_size
+            expert_slot_ranks[ep][replica * per_replica + column] = rank
+        dedication.expert_slot_ranks = expert_slot_ranks
+
+
+def _mesh_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type, torch.accelerator.current_device_index())
 
 
 def _all_gather_rows(row: list[int], group: dist.ProcessGroup, device) -> list[list[int]]:
@@ -184,7 +219,7 @@ def _layout_error(table: list[list[int]], dim: str) -> Exception | None:
             f"hook boundaries or mesh per rank); plan fingerprints by {dim}-group rank: "
             f"{fingerprints}"
         )
-    own, other = (2, 1) if dim == "shard" else (1, 2)
+    own, other = (1, 2) if dim == "replicate" else (2, 1)
     if len({row[own] for row in table}) != len(table) or len({row[other] for row in table}) != 1:
         return ValueError(
             "replicate_mesh does not line up with mesh: the (replicate, shard) "
@@ -204,7 +239,7 @@ def _tensor_parallel_mesh(selected: list[tuple[str, nn.Parameter]]) -> DeviceMes
     """
     meshes = []
     for name, p in selected:
-        if not isinstance(p, DTensor):
+        if not isinstance(p, DTensor) or is_expert_parallel(p):
             continue
         placements, shape = p.placements, tuple(p.shape)
         ok = (
@@ -228,10 +263,54 @@ def _tensor_parallel_mesh(selected: list[tuple[str, nn.Parameter]]) -> DeviceMes
     return meshes[0][1] if meshes else None
 
 
-def _validate_meshes(mesh: DeviceMesh, replicate_mesh: DeviceMesh | None) -> None:
+def _expert_parallel_mesh(
+    selected: list[tuple[str, nn.Parameter]], mesh: DeviceMesh, expert_mesh: DeviceMesh | None
+) -> DeviceMesh | None:
+    """The ``ep`` mesh the selected expert stacks are sharded over, or None.
+
+    Raises:
+        ValueError: expert-parallel stacks without ``expert_mesh``, over different
+            meshes or unevenly, or an ``expert_mesh`` that does not make up the shard
+            mesh together with the ``ep`` mesh.
+    """
+    stacks = [(name, p) for name, p in selected if is_expert_parallel(p)]
+    if not stacks:
+        return None
+    if expert_mesh is None:
+        raise ValueError(
+            f"{stacks[0][0]!r} is sharded over an expert-parallel mesh: pass expert_mesh "
+            "(the mesh of the ranks that hold the same experts, TorchTitan's efsdp)"
+        )
+    ep_meshes = {tuple(p.device_mesh.mesh.flatten().tolist()) for _, p in stacks}
+    if len(ep_meshes) > 1:
+        raise ValueError(
+            f"the expert stacks are sharded over different meshes: {sorted(ep_meshes)}"
+        )
+    ep_mesh = stacks[0][1].device_mesh
+    for name, p in stacks:
+        if p.shape[0] % ep_mesh.size() != 0:
+            raise ValueError(
+                f"{name!r}: {p.shape[0]} experts do not split evenly over {ep_mesh.size()} "
+                "expert-parallel ranks"
+            )
+    if expert_mesh.size() * ep_mesh.size() != mesh.size():
+        raise ValueError(
+            f"expert_mesh ({expert_mesh.size()} ranks) x the ep mesh ({ep_mesh.size()} "
+            f"ranks) must make up mesh ({mesh.size()} ranks)"
+        )
+    return ep_mesh
+
+
+def _validate_meshes(
+    mesh: DeviceMesh, replicate_mesh: DeviceMesh | None, expert_mesh: DeviceMesh | None
+) -> None:
     if not dist.is_initialized():
         raise RuntimeError("dedicate_params needs an initialized default process group")
-    for arg, m in (("mesh", mesh), ("replicate_mesh", replicate_mesh)):
+    for arg, m in (
+        ("mesh", mesh),
+        ("replicate_mesh", replicate_mesh),
+        ("expert_mesh", expert_mesh),
+    ):
         if m is None:
             continue
         if not isinstance(m, DeviceMesh):
@@ -267,6 +346,7 @@ def dedicate_params(
     reshard_after_forward: bool = True,
     replicate_async: bool = False,
     gradient_divide_factor: float | None = None,
+    expert_mesh: DeviceMesh | None = None,
 ) -> Dedication:
     """Give every matrix parameter selected by ``predicate`` one owner rank.
 
@@ -288,6 +368,10 @@ def dedicate_params(
         replicate_async: HSDP: hide the replicate broadcast behind the next forward
             (``Muon(replicate_async=True)`` sets the same).
         gradient_divide_factor: See :class:`DedicationSettings`.
+        expert_mesh: Under expert parallelism, the 1-D mesh of the ranks that hold the
+            same experts (TorchTitan's ``efsdp``; ``mesh`` is it times the ``ep`` mesh).
+            The selected stacks sharded along dim 0 over the ``ep`` mesh are dedicated
+            over it (and ``replicate_mesh``), their gradients reduced over it only.
 
     Returns:
         The :class:`Dedication` (also reachable through :func:`get_dedication`).
@@ -295,7 +379,7 @@ def dedicate_params(
     Raises:
         ValueError / TypeError / RuntimeError: bad input, always before any collective.
     """
-    _validate_meshes(mesh, replicate_mesh)
+    _validate_meshes(mesh, replicate_mesh, expert_mesh)
     if any(isinstance(m, FSDPModule) for m in model.modules()):
         raise RuntimeError(
             "dedicate_params must be called before fully_shard: the model already has "
@@ -310,19 +394,33 @@ def dedicate_params(
     if not selected:
         raise ValueError("predicate selected no trainable 2-D or 3-D parameter")
     tp_mesh = _tensor_parallel_mesh(selected)
+    expert_columns = None
+    if _expert_parallel_mesh(selected, mesh, expert_mesh) is not None:
+        # Which experts' column each shard-group rank is (the two domains are balanced
+        # together): the one collective of planning, after every check.
+        device = _mesh_device(mesh)
+        rows = _all_gather_rows([expert_mesh.get_local_rank()], mesh.get_group(), device)
+        expert_columns = [row[0] for row in rows]
     plan = build_plan(
         model,
         selected,
         shard_size=mesh.size(),
         replicate_size=replicate_mesh.size() if replicate_mesh is not None else 1,
         hook_boundary_predicate=hook_boundary_predicate,
+        expert_shard_size=expert_mesh.size() if expert_columns is not None else None,
+        expert_columns=expert_columns,
     )
-    dedication = Dedication(model, plan, settings, mesh, replicate_mesh, tp_mesh)
+    dedication = Dedication(model, plan, settings, mesh, replicate_mesh, tp_mesh, expert_mesh)
     logger.info(
         "dedicate_params: %d parameters (%d matrices), %d boundaries, %d units over "
         "%d x %d ranks, NS balance %.3f, %s",
         len(dedication.params),
-        sum(matrix_count(d.shape) for d in plan.params),
+        # Every ep rank's experts, as without expert parallelism.
+        sum(
+            matrix_count(d.shape)
+            * (d.param.device_mesh.size() if is_expert_parallel(d.param) else 1)
+            for d in plan.params
+        ),
         len(plan.boundaries),
         len(plan.units),
         plan.replicate_size,

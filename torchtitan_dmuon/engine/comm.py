@@ -30,7 +30,9 @@ class CommStats:
     Attributes:
         bytes: Payload bytes per collective kind (``"broadcast"`` and ``"reduce"`` inside
             the shard group, ``"replicate_broadcast"`` and ``"replicate_reduce"`` across
-            HSDP replicas, ``"all_reduce"``), counted once per collective on each rank.
+            HSDP replicas, ``"expert_broadcast"`` and ``"expert_reduce"`` inside the
+            experts' shard group under expert parallelism, ``"all_reduce"``), counted
+            once per collective on each rank.
         calls: Number of collectives per kind.
     """
 
@@ -136,6 +138,9 @@ class CollectiveCounter:
     def __init__(self) -> None:
         self.bytes = Counter()
         self.calls = Counter()
+        # Bytes of the torch.distributed (not functional) collectives by (kind, size of
+        # the group they ran on).
+        self.group_bytes: Counter = Counter()
         self._originals: list[tuple[object, str, object]] = []
 
     def _wrap(self, module, kind: str, payload) -> None:
@@ -145,8 +150,12 @@ class CollectiveCounter:
         def counted(*args, **kwargs):
             result = original(*args, **kwargs)
             tensor = payload(args, kwargs, result)
-            self.bytes[kind] += tensor.numel() * tensor.element_size()
+            size = tensor.numel() * tensor.element_size()
+            self.bytes[kind] += size
             self.calls[kind] += 1
+            if module is dist:
+                group = kwargs.get("group")
+                self.group_bytes[kind, dist.get_world_size(group)] += size
             return result
 
         setattr(module, kind, counted)

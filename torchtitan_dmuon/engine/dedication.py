@@ -25,7 +25,7 @@ from torch.profiler import record_function
 from torchtitan_dmuon.engine import comm, patches
 from torchtitan_dmuon.engine.hooks import HookDriver
 from torchtitan_dmuon.engine.others import OtherParams
-from torchtitan_dmuon.engine.plan import DedicatedParam, Plan
+from torchtitan_dmuon.engine.plan import DedicatedParam, Plan, UnitPlan, local_tensor
 from torchtitan_dmuon.engine.replicas import Replicas
 from torchtitan_dmuon.engine.settings import DedicationSettings
 from torchtitan_dmuon.engine.unit import RefilledParam, Unit, refills
@@ -36,7 +36,7 @@ from torchtitan_dmuon.optim.sharded_ns import (
     sharded_ns_method,
 )
 
-__all__ = ["Dedication", "PendingReduce", "get_dedication"]
+__all__ = ["Dedication", "PendingReduce", "ShardGroups", "get_dedication"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +67,12 @@ class Dedication:
         pipeline_stage: The index of the pipeline stage that drives it, if any.
         synced_backwards: Backwards that reduced gradients since the last step.
         slot_ranks: The global rank of each owner slot (set by ``verify_plan``).
+        domains: The shard groups of the dense domain and, under expert parallelism,
+            of the experts' (``shard_group``/``reduce_group``/``shard_rank``/
+            ``shard_size`` are the dense domain's).
+        ep_mesh: Under expert parallelism, the mesh the expert stacks are sharded over.
+        expert_slot_ranks: Under expert parallelism, the global rank of each experts'
+            owner slot, per ``ep`` rank (set by ``verify_plan``).
     """
 
     def __init__(
@@ -77,38 +83,38 @@ class Dedication:
         mesh: DeviceMesh,
         replicate_mesh: DeviceMesh | None,
         tp_mesh: DeviceMesh | None = None,
+        expert_mesh: DeviceMesh | None = None,
     ) -> None:
         self.model = model
         self.plan = plan
         self.settings = settings
         self.mesh = mesh
-        self.shard_rank = mesh.get_local_rank()
-        self.shard_size = mesh.size()
+        self.stats = comm.CommStats()
         replicate_rank = replicate_mesh.get_local_rank() if replicate_mesh is not None else 0
         self.replicate_rank = replicate_rank
-        self.boundary_units: list[list[Unit]] = [
-            [
-                Unit(
-                    u,
-                    holds=u.column == self.shard_rank,
-                    primary=u.column == self.shard_rank and u.primary_replica == replicate_rank,
-                )
-                for u in b.units
-            ]
-            for b in plan.boundaries
-        ]
-        self.units: list[Unit] = [u for units in self.boundary_units for u in units]
-        self.stats = comm.CommStats()
         # Gathers and stage-1 reduces each run on a group of their own: in backward a
         # boundary's reduce starts when its gradients are complete, which rank-dependent
         # branches make differ between ranks, so on one group the two sequences could
         # interleave differently (a hang). Each sequence alone has a fixed order.
-        self.shard_group = comm.engine_group(mesh.get_group(), "dmuon_shard")
-        self.reduce_group = comm.engine_group(mesh.get_group(), "dmuon_shard_reduce")
+        self.domains = [ShardGroups(mesh, "")]
+        self.shard_group = self.domains[0].shard_group
+        self.reduce_group = self.domains[0].reduce_group
+        self.shard_rank = self.domains[0].rank
+        self.shard_size = self.domains[0].size
         self.replicas = None
         if replicate_mesh is not None:
             group = comm.engine_group(replicate_mesh.get_group(), "dmuon_replicate")
             self.replicas = Replicas(group, replicate_rank, replicate_mesh.size(), self.stats)
+        # Expert parallelism: the experts' own shard mesh (efsdp), and the ep mesh the
+        # stacks are sharded over (which of them this rank's local experts are).
+        self.ep_mesh: DeviceMesh | None = None
+        if len(plan.domains) == 2:
+            self.domains.append(ShardGroups(expert_mesh, "expert_"))
+            self.ep_mesh = next(u.params[0].param for u in plan.units if u.domain == 1).device_mesh
+        self.boundary_units: list[list[Unit]] = [
+            [self._unit(u) for u in b.units] for b in plan.boundaries
+        ]
+        self.units: list[Unit] = [u for units in self.boundary_units for u in units]
         # Tensor parallelism: the owner column's TP ranks orthogonalize together.
         self.tp_group = None
         if tp_mesh is not None:
@@ -120,6 +126,7 @@ class Dedication:
         self.pipeline_stage: int | None = None
         self.synced_backwards = 0
         self.slot_ranks: list[int] | None = None
+        self.expert_slot_ranks: list[list[int]] | None = None
         self.initialized = False
         for d in plan.params:
             module_name, _, param_name = d.name.rpartition(".")
@@ -128,6 +135,15 @@ class Dedication:
         self.driver.register(model)
         self.bind_params()
         _DEDICATIONS[model] = self
+
+    def _unit(self, plan: UnitPlan) -> Unit:
+        holds = plan.column == self.domains[plan.domain].rank
+        primary = holds and plan.primary_replica == self.replicate_rank
+        return Unit(plan, holds=holds, primary=primary)
+
+    def domain_of(self, unit: Unit) -> ShardGroups:
+        """The shard and reduce groups ``unit`` moves over."""
+        return self.domains[unit.plan.domain]
 
     @property
     def replicate_size(self) -> int:
@@ -140,9 +156,13 @@ class Dedication:
 
     def process_groups(self) -> list[dist.ProcessGroup]:
         """The engine's own groups: shard (broadcasts), reduce (stage-1 reduces, the same
-        ranks) and, under HSDP, replicate."""
+        ranks), under HSDP replicate, the experts' shard and reduce groups under expert
+        parallelism, and the tensor-parallel group."""
         groups = [self.shard_group, self.reduce_group]
         groups += [self.replicas.group] if self.replicas is not None else []
+        groups += [
+            g for domain in self.domains[1:] for g in (domain.shard_group, domain.reduce_group)
+        ]
         return groups + ([self.tp_group] if self.tp_group is not None else [])
 
     def data_parallel_groups(self) -> list[dist.ProcessGroup]:
@@ -198,8 +218,11 @@ class Dedication:
         if self.replicas is not None:
             self.replicas.wait(unit)
         unit.allocate()
+        domain = self.domain_of(unit)
         return [
-            comm.broadcast(buffer, unit.column, self.shard_group, self.stats)
+            comm.broadcast(
+                buffer, unit.column, domain.shard_group, self.stats, domain.kind("broadcast")
+            )
             for buffer in unit.buffers
         ]
 
@@ -208,10 +231,15 @@ class Dedication:
 
     def reduce_to_column(self, unit: Unit) -> PendingReduce:
         """Stage 1: pack the local gradients, free the values outside the column and SUM
-        the bucket onto the unit's column inside this shard group."""
+        the bucket onto the unit's column inside its domain's shard group (an expert
+        unit's: the ranks holding the same experts, which together saw every token
+        routed to them)."""
         bucket = unit.pack_grads()
         unit.free()  # the caller drops the gradients
-        work = comm.reduce_sum(bucket, unit.column, self.reduce_group, self.stats)
+        domain = self.domain_of(unit)
+        work = comm.reduce_sum(
+            bucket, unit.column, domain.reduce_group, self.stats, domain.kind("reduce")
+        )
         return PendingReduce(unit, bucket, work)
 
     def start_second_stages(self, reduces: list[PendingReduce], wait: bool) -> None:
@@ -236,6 +264,7 @@ class Dedication:
         """End of a reduced backward: the remaining second stages (HSDP), then the
         primaries accumulate their gradients; DDP-style sync of the rest."""
         self.start_second_stages(reduces, wait=True)
+        # Experts too: their gradients sum every data-parallel rank's tokens.
         divide = self.settings.divide_factor(self.shard_size * self.replicate_size)
         for pending in reduces:
             pending.wait()
@@ -352,19 +381,28 @@ class Dedication:
             self.replicas.wait_all()
 
     def piece_owners(self, name: str) -> list[tuple[tuple[int, int], int]]:
-        """``(experts, global rank of the primary owner)`` of each piece of the split stack
-        ``name``, in expert order (needs ``verify_plan``, which ``Muon`` runs)."""
+        """``(experts in the whole stack, global rank of the primary owner)`` of each piece
+        of the split stack ``name`` (under expert parallelism: of every ``ep`` rank's
+        local experts), in expert order (needs ``verify_plan``, which ``Muon`` runs)."""
         if self.slot_ranks is None:
             raise RuntimeError(
                 "the owners' global ranks are not known yet: build the Muon optimizer on "
                 "the model first (it verifies the plan across ranks)"
             )
-        pieces = [
-            (d.experts, self.slot_ranks[u.primary_replica * self.shard_size + u.column])
-            for u in self.plan.units
-            for d in u.params
-            if d.name == name and d.experts is not None
-        ]
+        pieces = []
+        for u in self.plan.units:
+            layout = self.plan.domains[u.domain]
+            slot = u.primary_replica * layout.shard_size + u.column
+            for d in u.params:
+                if d.name != name or d.experts is None:
+                    continue
+                if u.domain == 0:
+                    pieces.append((d.experts, self.slot_ranks[slot]))
+                    continue
+                local = local_tensor(d.param).shape[0]
+                for ep_rank, ranks in enumerate(self.expert_slot_ranks):
+                    start, stop = (e + ep_rank * local for e in d.experts)
+                    pieces.append(((start, stop), ranks[slot]))
         return sorted(pieces)
 
     # ---- tensor parallelism -----------------------------------------------------------------
@@ -414,9 +452,10 @@ class Dedication:
         return orthogonalize
 
     # ---- reports and reads -----------------------------------------------------------------------
-    def balance(self) -> float:
-        """Max over mean NS load over all ranks (1.0 is perfect)."""
-        return self.plan.balance()
+    def balance(self, domain: int | None = None) -> float:
+        """Max over mean NS load over all data-parallel ranks (1.0 is perfect), of one
+        domain's matrices or of all."""
+        return self.plan.balance(domain)
 
     def held_bytes(self) -> list[int]:
         """Bytes each rank (slot order) keeps between steps for dedicated matrices (values,
@@ -439,6 +478,16 @@ class Dedication:
             len({d.name for d in self.plan.params if d.experts is not None}),
             sum(1 for d in self.plan.params if d.experts is not None),
         )
+        if len(self.plan.domains) == 2:
+            layout = self.plan.domains[1]
+            logger.info(
+                "dmuon: expert parallelism: local experts dedicated over %d x %d ranks "
+                "(replicate x efsdp), dense matrices over %d x %d; per-rank Newton-Schulz "
+                "cost max/mean: experts %.3f, dense %.3f, together %.3f",
+                layout.replicate_size, layout.shard_size,
+                self.plan.replicate_size, self.plan.shard_size,
+                self.balance(1), self.balance(0), self.balance(),
+            )  # fmt: skip
 
     def memory_bytes(self) -> dict[str, int]:
         """What this rank keeps between steps for dedicated matrices: ``params`` (values
@@ -460,6 +509,27 @@ class Dedication:
             patches.unmark_dedicated(module)
         for group in self.process_groups():
             dist.destroy_process_group(group)
+
+
+class ShardGroups:
+    """The engine's groups over one domain's shard mesh: broadcasts (``shard_group``) and
+    stage-1 reduces (``reduce_group``, the same ranks).
+
+    Attributes:
+        rank / size: This rank's place in the shard mesh.
+        prefix: Put before the collective kinds in :class:`~comm.CommStats` ("" for the
+            dense domain, "expert_" for the experts').
+    """
+
+    def __init__(self, mesh: DeviceMesh, prefix: str) -> None:
+        self.rank = mesh.get_local_rank()
+        self.size = mesh.size()
+        self.prefix = prefix
+        self.shard_group = comm.engine_group(mesh.get_group(), f"dmuon_{prefix}shard")
+        self.reduce_group = comm.engine_group(mesh.get_group(), f"dmuon_{prefix}shard_reduce")
+
+    def kind(self, collective: str) -> str:
+        return self.prefix + collective
 
 
 @dataclass

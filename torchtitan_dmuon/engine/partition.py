@@ -47,13 +47,18 @@ def expert_ranges(experts: int, pieces: int) -> list[tuple[int, int]]:
     return ranges
 
 
-def assign_owners(items: Sequence[PartitionItem], num_ranks: int) -> list[int]:
+def assign_owners(
+    items: Sequence[PartitionItem],
+    num_ranks: int,
+    initial_load: Sequence[int] | None = None,
+) -> list[int]:
     """Give each item an owner rank in ``[0, num_ranks)``.
 
     Items are taken by decreasing cost (ties: input order). Each goes to the rank that
     holds the fewest items of its boundary so far, and among those to the least loaded
     rank (ties: lowest rank); a stack's piece only to a rank without a piece of that
-    stack.
+    stack. ``initial_load`` is each rank's cost before these items (what it already owns
+    in another dedication domain).
 
     Raises:
         ValueError: a stack has more pieces than there are ranks.
@@ -63,7 +68,9 @@ def assign_owners(items: Sequence[PartitionItem], num_ranks: int) -> list[int]:
     """
     if num_ranks < 1:
         raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
-    load = [0] * num_ranks
+    load = list(initial_load) if initial_load is not None else [0] * num_ranks
+    if len(load) != num_ranks:
+        raise ValueError(f"initial_load has {len(load)} entries for {num_ranks} ranks")
     per_boundary: dict[int, list[int]] = defaultdict(lambda: [0] * num_ranks)
     per_stack: dict[int, set[int]] = defaultdict(set)
     owners = [0] * len(items)

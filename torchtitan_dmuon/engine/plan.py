@@ -11,24 +11,30 @@ and runs Newton-Schulz.
 A 3-D stack of matrices (a layer's MoE experts) is split along dim 0 into up to one
 contiguous group of experts per slot, each group a *piece* with an owner of its own; the
 model still sees one stacked parameter.
+
+Under expert parallelism one plan has two *domains*: the dense matrices are dedicated over
+the whole data-parallel layout (domain 0), and each rank's local experts (a stack sharded
+along dim 0 over the ``ep`` mesh) over the ranks that hold the same experts (domain 1: the
+``efsdp`` group, and the replicate group under HSDP). Every ``ep`` group has the same
+expert layout, so one plan describes them all; the owners of both domains are balanced
+together, per data-parallel rank.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from torchtitan_dmuon.engine.partition import (
     PartitionItem,
     assign_owners,
     expert_ranges,
-    load_balance,
 )
 from torchtitan_dmuon.optim.newton_schulz import ns_flops
 
@@ -36,10 +42,12 @@ __all__ = [
     "Boundary",
     "BoundaryPredicate",
     "DedicatedParam",
+    "Domain",
     "Plan",
     "UnitPlan",
     "build_plan",
     "default_boundary_modules",
+    "is_expert_parallel",
     "local_tensor",
 ]
 
@@ -51,20 +59,33 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def is_expert_parallel(tensor: torch.Tensor) -> bool:
+    """A stack of experts sharded along dim 0 over a 1-D (``ep``) mesh, as TorchTitan's
+    ``ExpertParallel`` lays out routed experts: each rank holds ``experts / ep`` of them."""
+    return (
+        isinstance(tensor, DTensor)
+        and tensor.ndim == 3
+        and tensor.device_mesh.ndim == 1
+        and tuple(tensor.placements) == (Shard(0),)
+    )
+
+
 @dataclass(eq=False)
 class DedicatedParam:
     """A matrix parameter, or a piece of a 3-D stack, with one owner slot.
 
     Under tensor parallelism the parameter is a DTensor sharded along one of its two
     dims over a 1-D tensor-parallel mesh; the engine moves and stores its local shard,
-    and the owner column's tensor-parallel ranks orthogonalize it together.
+    and the owner column's tensor-parallel ranks orthogonalize it together. Under expert
+    parallelism it is a stack sharded along dim 0 over the ``ep`` mesh, always dedicated
+    in pieces of this rank's local experts.
 
     Attributes:
         name: Fully qualified name in the model.
         param: The module's current parameter object (re-bound by name when a
             conversion such as ``to_empty`` registers a new one).
         experts: For a piece of a stack split among owners, its ``[start, stop)`` along
-            dim 0; None for a whole parameter.
+            dim 0 of the local stack; None for a whole parameter.
         offset: Its offset in its unit's layout (see :class:`UnitPlan`).
     """
 
@@ -95,9 +116,18 @@ class DedicatedParam:
     @property
     def split_dim(self) -> int | None:
         """Under tensor parallelism, the dim it is split along (-2 rows, -1 columns)."""
-        if not isinstance(self.param, DTensor):
+        if not isinstance(self.param, DTensor) or is_expert_parallel(self.param):
             return None
         return self.param.placements[0].dim - self.param.ndim
+
+    @property
+    def global_experts(self) -> tuple[int, int] | None:
+        """A piece's ``[start, stop)`` in the whole stack (under expert parallelism, after
+        the experts of the lower ``ep`` ranks)."""
+        if self.experts is None or not is_expert_parallel(self.param):
+            return self.experts
+        first = self.param.device_mesh.get_local_rank() * local_tensor(self.param).shape[0]
+        return self.experts[0] + first, self.experts[1] + first
 
 
 @dataclass(eq=False)
@@ -112,12 +142,15 @@ class UnitPlan:
         column: Shard-group rank that holds the unit in every replica.
         primary_replica: Replicate-group rank of the primary owner.
         params: Its matrices and pieces, in layout order, with their offsets.
+        domain: Its dedication domain (0: dense, 1: the local experts under expert
+            parallelism); ``column`` and ``primary_replica`` are that domain's.
     """
 
     boundary: int
     column: int
     primary_replica: int
     params: list[DedicatedParam]
+    domain: int = 0
 
     @property
     def numel(self) -> int:
@@ -154,13 +187,41 @@ class Boundary:
         return list({id(d.param): d.param for d in self.params}.values())
 
 
-@dataclass(eq=False)
-class Plan:
-    """Boundaries in forward order over a ``replicate_size x shard_size`` layout."""
+@dataclass(frozen=True)
+class Domain:
+    """The ``replicate_size x shard_size`` layout one kind of matrix is dedicated over
+    (owner slots ``s = replica * shard_size + column``)."""
 
-    boundaries: list[Boundary]
     shard_size: int
     replicate_size: int
+
+    @property
+    def slots(self) -> int:
+        return self.shard_size * self.replicate_size
+
+
+@dataclass(eq=False)
+class Plan:
+    """Boundaries in forward order over one or two domains.
+
+    Attributes:
+        boundaries: The hook boundaries, in forward order.
+        domains: The dense domain, then (under expert parallelism) the experts'.
+        expert_columns: Under expert parallelism, the experts' column (``efsdp`` rank)
+            of each dense column (shard-group rank).
+    """
+
+    boundaries: list[Boundary]
+    domains: list[Domain]
+    expert_columns: list[int] | None = None
+
+    @property
+    def shard_size(self) -> int:
+        return self.domains[0].shard_size
+
+    @property
+    def replicate_size(self) -> int:
+        return self.domains[0].replicate_size
 
     @property
     def units(self) -> list[UnitPlan]:
@@ -172,43 +233,60 @@ class Plan:
 
     @property
     def slots(self) -> int:
-        return self.shard_size * self.replicate_size
+        """Data-parallel ranks (the dense domain's slots)."""
+        return self.domains[0].slots
+
+    def rank_slots(self, unit: UnitPlan, primary: bool) -> list[int]:
+        """The data-parallel ranks (dense slots) that hold ``unit`` (its column in every
+        replica) or, with ``primary``, are its primary owner. An expert unit has one such
+        rank per ``ep`` group: each holds the same piece of its own local experts."""
+        if unit.domain == 0:
+            columns = [unit.column]
+        else:
+            columns = [f for f, e in enumerate(self.expert_columns) if e == unit.column]
+        replicas = [unit.primary_replica] if primary else range(self.replicate_size)
+        return [r * self.shard_size + f for r in replicas for f in columns]
 
     def fingerprint(self, *extra) -> int:
         """A hash of the plan (and of ``extra`` settings); equal on every rank iff they
         agree on it."""
-        h = hashlib.sha256(repr((self.shard_size, self.replicate_size, extra)).encode())
+        h = hashlib.sha256(repr((self.domains, self.expert_columns, extra)).encode())
         for i, b in enumerate(self.boundaries):
             for u in b.units:
                 for d in u.params:
                     key = (i, b.name, d.name, tuple(d.param.shape), d.experts)
-                    key += (u.column, u.primary_replica)
+                    key += (u.domain, u.column, u.primary_replica)
                     h.update(repr(key).encode())
         return int.from_bytes(h.digest()[:7], "little")
 
-    def balance(self) -> float:
-        """Max over mean Newton-Schulz load over all ranks (1.0 is perfect)."""
-        items, owners = [], []
+    def ns_loads(self, domain: int | None = None) -> list[int]:
+        """Newton-Schulz cost per data-parallel rank (of one domain's units, or all)."""
+        load = [0] * self.slots
         for unit in self.units:
-            for d in unit.params:
-                items.append(PartitionItem(ns_flops(d.shape, 1), 0))
-                owners.append(unit.primary_replica * self.shard_size + unit.column)
-        return load_balance(items, owners, self.slots)
+            if domain is None or unit.domain == domain:
+                cost = sum(ns_flops(d.shape, 1) for d in unit.params)
+                for s in self.rank_slots(unit, primary=True):
+                    load[s] += cost
+        return load
+
+    def balance(self, domain: int | None = None) -> float:
+        """Max over mean Newton-Schulz load over all ranks (1.0 is perfect)."""
+        load = self.ns_loads(domain)
+        mean = sum(load) / len(load)
+        return max(load) / mean if mean > 0 else 1.0
 
     def held_bytes(self, value_bytes: int, state_bytes: int) -> list[int]:
-        """Bytes each rank (slot order) keeps between steps for dedicated matrices: the
-        values of every unit of its column (``value_bytes`` per element) and the state of
-        the units it is the primary of (``state_bytes`` per element: momentum, and a
-        master under mixed precision)."""
-        column = [0] * self.shard_size
-        own = [0] * self.slots
+        """Bytes each data-parallel rank (slot order) keeps between steps for dedicated
+        matrices: the values of every unit of its column (``value_bytes`` per element)
+        and the state of the units it is the primary of (``state_bytes`` per element:
+        momentum, and a master under mixed precision)."""
+        held = [0] * self.slots
         for unit in self.units:
-            column[unit.column] += unit.numel
-            own[unit.primary_replica * self.shard_size + unit.column] += unit.numel
-        return [
-            column[s % self.shard_size] * value_bytes + own[s] * state_bytes
-            for s in range(self.slots)
-        ]
+            for s in self.rank_slots(unit, primary=False):
+                held[s] += unit.numel * value_bytes
+            for s in self.rank_slots(unit, primary=True):
+                held[s] += unit.numel * state_bytes
+        return held
 
 
 def default_boundary_modules(model: nn.Module) -> set[nn.Module]:
@@ -239,17 +317,22 @@ def build_plan(
     shard_size: int,
     replicate_size: int,
     hook_boundary_predicate: BoundaryPredicate | None,
+    expert_shard_size: int | None = None,
+    expert_columns: Sequence[int] | None = None,
 ) -> Plan:
     """Group the selected matrices by boundary and owner slot.
 
     Boundaries come in module (forward) order, so that collectives follow one fixed
-    sequence on every rank; slots come from one global LPT partition over all
-    ``replicate_size * shard_size`` ranks, in which each 3-D stack (not tensor-parallel)
+    sequence on every rank; slots come from one LPT partition per domain over its
+    ``replicate_size * shard_size`` slots, in which each 3-D stack (not tensor-parallel)
     takes part as ``min(stack size, slots)`` pieces of contiguous experts on different
-    slots.
+    slots. Under expert parallelism (``expert_shard_size``, ``expert_columns``: see
+    :class:`Plan`) the local experts are placed first and the dense matrices then start
+    from the load each rank already has.
 
     Raises:
-        ValueError: one boundary's matrices mix dtypes or devices (one flat buffer each).
+        ValueError: one boundary's matrices mix dtypes or devices (one flat buffer
+            each), or expert-parallel stacks come without the experts' layout.
     """
     if hook_boundary_predicate is None:
         blocks = default_boundary_modules(model)
@@ -261,36 +344,59 @@ def build_plan(
     module_order = {module: i for i, module in enumerate(model.modules())}
     boundary_names = sorted(set(names.values()), key=lambda n: module_order[model.get_submodule(n)])
     index = {n: i for i, n in enumerate(boundary_names)}
-    num_slots = shard_size * replicate_size
-    entries, items = [], []
+    domains = [Domain(shard_size, replicate_size)]
+    if any(is_expert_parallel(p) for _, p in selected):
+        if expert_shard_size is None or expert_columns is None:
+            raise ValueError(
+                "expert-parallel stacks need the experts' layout (expert_shard_size and "
+                "expert_columns)"
+            )
+        domains.append(Domain(expert_shard_size, replicate_size))
+        expert_columns = list(expert_columns)
+    entries: list[list[DedicatedParam]] = [[] for _ in domains]
+    items: list[list[PartitionItem]] = [[] for _ in domains]
     for stack, (name, p) in enumerate(selected):
-        if p.ndim == 3 and not isinstance(p, DTensor) and p.shape[0] > 1:
-            ranges = expert_ranges(p.shape[0], min(p.shape[0], num_slots))
-            entries += [DedicatedParam(name=name, param=p, experts=r) for r in ranges]
-            items += [
+        domain = 1 if is_expert_parallel(p) else 0
+        experts = local_tensor(p).shape[0] if p.ndim == 3 else 0
+        if domain == 1 or (p.ndim == 3 and not isinstance(p, DTensor) and experts > 1):
+            ranges = expert_ranges(experts, min(experts, domains[domain].slots))
+            entries[domain] += [DedicatedParam(name=name, param=p, experts=r) for r in ranges]
+            items[domain] += [
                 PartitionItem(ns_flops((stop - start, *p.shape[1:]), 1), index[names[name]], stack)
                 for start, stop in ranges
             ]
         else:
-            entries.append(DedicatedParam(name=name, param=p))
-            items.append(PartitionItem(ns_flops(p.shape, 1), index[names[name]]))
-    slots = assign_owners(items, num_slots)
+            entries[domain].append(DedicatedParam(name=name, param=p))
+            items[domain].append(PartitionItem(ns_flops(p.shape, 1), index[names[name]]))
+    slots: list[list[int]] = [[], []]
+    initial_load = None
+    if len(domains) == 2:
+        slots[1] = assign_owners(items[1], domains[1].slots)
+        expert_load = [0] * domains[1].slots
+        for item, slot in zip(items[1], slots[1], strict=True):
+            expert_load[slot] += item.cost
+        initial_load = [
+            expert_load[(s // shard_size) * expert_shard_size + expert_columns[s % shard_size]]
+            for s in range(domains[0].slots)
+        ]
+    slots[0] = assign_owners(items[0], domains[0].slots, initial_load)
 
     boundaries = [Boundary(name=n, module=model.get_submodule(n)) for n in boundary_names]
-    for entry, slot in zip(entries, slots, strict=True):
-        bname = names[entry.name]
-        boundary = boundaries[index[bname]]
-        column, replica = slot % shard_size, slot // shard_size
-        unit = next(
-            (u for u in boundary.units if (u.column, u.primary_replica) == (column, replica)),
-            None,
-        )
-        if unit is None:
-            unit = UnitPlan(index[bname], column, replica, params=[])
-            boundary.units.append(unit)
-        unit.params.append(entry)
+    for domain, layout in enumerate(domains):
+        for entry, slot in zip(entries[domain], slots[domain], strict=True):
+            bname = names[entry.name]
+            boundary = boundaries[index[bname]]
+            key = (domain, slot // layout.shard_size, slot % layout.shard_size)
+            unit = next(
+                (u for u in boundary.units if (u.domain, u.primary_replica, u.column) == key),
+                None,
+            )
+            if unit is None:
+                unit = UnitPlan(index[bname], key[2], key[1], params=[], domain=domain)
+                boundary.units.append(unit)
+            unit.params.append(entry)
     for boundary in boundaries:
-        boundary.units.sort(key=lambda u: (u.primary_replica, u.column))
+        boundary.units.sort(key=lambda u: (u.domain, u.primary_replica, u.column))
         for unit in boundary.units:  # whole matrices first (stable: model order)
             unit.params.sort(key=lambda d: d.experts is not None)
         kinds = {(d.param.dtype, d.param.device.type) for d in boundary.params}
@@ -304,4 +410,4 @@ def build_plan(
             for d in unit.params:
                 d.offset = offset
                 offset += d.numel
-    return Plan(boundaries, shard_size, replicate_size)
+    return Plan(boundaries, domains, expert_columns if len(domains) == 2 else None)

@@ -77,7 +77,8 @@ def as_saved(dedication: Dedication, entry: DedicatedParam, local: torch.Tensor)
     * under tensor parallelism: this rank's shard as a DTensor laid out like the
       parameter (DCP reassembles and reshards it);
     * a piece of a split stack: a ``ShardedTensor`` of the stack's shape whose local shard
-      is ``local`` and whose other shards are the other owners' pieces.
+      is ``local`` and whose other shards are the other owners' pieces (under expert
+      parallelism, of every ``ep`` rank's experts: the whole stack, as without).
     """
     param = entry.param
     if entry.experts is not None:
@@ -89,7 +90,7 @@ def as_saved(dedication: Dedication, entry: DedicatedParam, local: torch.Tensor)
             )
             for (start, stop), rank in dedication.piece_owners(entry.name)
         ]
-        mine = next(md for md in shards if md.shard_offsets[0] == entry.experts[0])
+        mine = next(md for md in shards if md.shard_offsets[0] == entry.global_experts[0])
         metadata = ShardedTensorMetadata(
             shards, param.shape, TensorProperties(dtype=local.dtype, layout=torch.strided)
         )

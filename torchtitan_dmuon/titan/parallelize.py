@@ -67,9 +67,21 @@ def clean_fqn(name: str) -> str:
 
 def _unsupported(parallel_dims) -> list[str]:
     checks = {
-        "expert parallel (parallelism.expert_parallel_degree)": parallel_dims.ep_enabled,
+        "expert parallel together with tensor parallel (parallelism."
+        "expert_parallel_degree with parallelism.tensor_parallel_degree)": (
+            parallel_dims.ep_enabled and parallel_dims.tp_enabled
+        ),
     }
     return [what for what, enabled in checks.items() if enabled]
+
+
+def _check_expert_parallel(model: nn.Module, parallel_dims) -> None:
+    """Expert parallelism needs routed experts (3-D stacked weights) to shard."""
+    if parallel_dims.ep_enabled and not any(p.ndim == 3 for p in model.parameters()):
+        raise ValueError(
+            f"parallelism.expert_parallel_degree = {parallel_dims.ep} needs a MoE model: "
+            f"{type(model).__name__} has no routed experts (3-D stacked weights) to shard"
+        )
 
 
 def _matches(name: str, patterns: list[str]) -> bool:
@@ -119,7 +131,13 @@ def _reshard_after_forward(settings: DMuon, parallel_dims, job_config) -> bool:
     return policy == "always" or (policy == "default" and not parallel_dims.pp_enabled)
 
 
-def _dedicate(model: nn.Module, mesh: DeviceMesh, settings: DMuon, z3: bool) -> None:
+def _dedicate(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    settings: DMuon,
+    z3: bool,
+    expert_mesh: DeviceMesh | None = None,
+) -> None:
     if mesh.ndim == 2:
         shard_mesh, replicate_mesh = mesh["fsdp"], mesh["dp_replicate"]
     else:
@@ -129,6 +147,7 @@ def _dedicate(model: nn.Module, mesh: DeviceMesh, settings: DMuon, z3: bool) -> 
         shard_mesh,
         muon_predicate(settings),
         replicate_mesh=replicate_mesh,
+        expert_mesh=expert_mesh,
         hook_boundary_predicate=_boundary_predicate(model, settings),
         reshard_after_forward=z3,
         replicate_async=settings.replicate_async,
@@ -160,10 +179,12 @@ def with_dedication(parallelize_fn: Callable) -> Callable:
         if unsupported:
             raise ValueError(
                 f"[optimizer] name = 'DMuon' does not support {', '.join(unsupported)} yet; "
-                "use data, context and pipeline parallelism (FSDP, HSDP, DDP, CP, PP) only"
+                "use expert parallelism without tensor parallelism, or tensor parallelism "
+                "with expert_parallel_degree = 1"
             )
         settings = job_config.dmuon
         if not parallel_dims.pp_enabled:  # else checked on the whole model, before the split
+            _check_expert_parallel(model, parallel_dims)
             _check_patterns(model, settings)
         # A pipeline stage may hold no selected matrix (only the embeddings, or the final
         # norm and output): it is then AdamW alone, on TorchTitan's own data parallelism.
@@ -173,7 +194,11 @@ def with_dedication(parallelize_fn: Callable) -> Callable:
 
         def apply_fsdp(model_, dp_mesh, *args, **kwargs):
             if selects:
-                _dedicate(model_, dp_mesh, settings, z3)
+                # Expert parallelism: the routed experts (sharded over ep) are dedicated
+                # over efsdp, as FSDP would shard them; the dense matrices over fsdp.
+                edp_mesh = kwargs.get("edp_mesh") if kwargs.get("ep_degree", 1) > 1 else None
+                expert_mesh = edp_mesh["efsdp"] if edp_mesh is not None else None
+                _dedicate(model_, dp_mesh, settings, z3, expert_mesh)
             _SETTINGS[model_] = settings
             return originals["apply_fsdp"](model_, dp_mesh, *args, **kwargs)
 
@@ -227,6 +252,7 @@ def with_pipeline_stages(pipelining_fn: Callable) -> Callable:
     def pipeline(model: nn.Module, parallel_dims, job_config, *args, **kwargs):
         if job_config.optimizer.name != DMUON:
             return pipelining_fn(model, parallel_dims, job_config, *args, **kwargs)
+        _check_expert_parallel(model, parallel_dims)
         _check_patterns(model, job_config.dmuon)
 
         def build_pipeline_schedule(job_config_, stages, loss_fn):

@@ -126,14 +126,15 @@ class DMuonTrainer(Trainer):
                 totals[kind] = totals.get(kind, 0) + value
         delta = {k: v - self._last_bytes.get(k, 0) for k, v in totals.items()}
         step_seconds = self.optimizers.step_seconds
+
+        def mb(collective: str) -> float:  # over the shard, experts' and replicate groups
+            kinds = (collective, f"expert_{collective}", f"replicate_{collective}")
+            return sum(delta.get(kind, 0) for kind in kinds) / steps / 2**20
+
         metrics = {
             "dmuon/optimizer_ms": 1e3 * (step_seconds - self._last_step_seconds) / steps,
-            "dmuon/reduce_mb": (delta.get("reduce", 0) + delta.get("replicate_reduce", 0))
-            / steps
-            / 2**20,
-            "dmuon/broadcast_mb": (delta.get("broadcast", 0) + delta.get("replicate_broadcast", 0))
-            / steps
-            / 2**20,
+            "dmuon/reduce_mb": mb("reduce"),
+            "dmuon/broadcast_mb": mb("broadcast"),
             "dmuon/owner_balance": max((d.balance() for d in self.dedications), default=1.0),
         }
         self._last_bytes, self._last_step_seconds, self._last_step = totals, step_seconds, step

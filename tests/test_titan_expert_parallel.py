@@ -1,0 +1,103 @@
+"""Expert parallelism with DMuon through ./run_train.sh on 4 CPU ranks.
+
+Routed experts sharded over the ``ep`` mesh are dedicated over the ranks that hold the
+same experts (``efsdp``, and the replicate group under HSDP), the dense matrices over the
+whole data-parallel layout. Runs of different expert-parallel degrees start from one seed
+checkpoint (an expert-parallel stack initializes otherwise than a whole one) and must
+follow the same curve: the math does not depend on the layout.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.test_titan_integration import run_train, shared_run
+from tests.test_titan_pipeline import from_seed, resume_from
+
+LLAMA4 = "train_configs/llama4_debug_moe.toml"
+DEEPSEEK = "train_configs/deepseek_v3_debug_moe.toml"
+STEPS = range(1, 11)
+HSDP_2X2 = [
+    "--parallelism.data_parallel_replicate_degree", "2",
+    "--parallelism.data_parallel_shard_degree", "2",
+    "--dmuon.replicate_async",
+]  # fmt: skip
+BALANCE = re.compile(
+    r"per-rank Newton-Schulz cost max/mean (\S+), held dedicated bytes "
+    r"\(values \+ masters \+ momentum\) max/mean (\S+)"
+)
+
+
+def ep(degree: int, *more: str) -> list[str]:
+    return ["--parallelism.expert_parallel_degree", str(degree), *more]
+
+
+def _ep_runs(factory: pytest.TempPathFactory, config: str, *layouts: list[str]):
+    """10 steps from the config's seed checkpoint on 4 ranks, per layout (shared)."""
+    common = from_seed(factory, config)
+    runs = [shared_run([*common, *layout], 4, factory, config) for layout in layouts]
+    for run in runs:
+        assert run.returncode == 0, run.output[-4000:]
+    return runs
+
+
+def _losses(run, steps) -> list[float]:
+    return [run.losses[s] for s in steps]
+
+
+def test_llama4_expert_parallel_follows_ep1(tmp_path_factory):
+    """llama4 debug MoE: EP 2 (efsdp 2) and HSDP 2 x 2 with EP 2 (efsdp 1, the replicate
+    group as the experts' second stage) follow EP 1 within rtol 1e-4 over 10 steps;
+    the two dedication domains are balanced together."""
+    ep1, ep2, hsdp = _ep_runs(tmp_path_factory, LLAMA4, ep(1), ep(2), ep(2, *HSDP_2X2))
+    for run in (ep2, hsdp):
+        assert _losses(run, STEPS) == pytest.approx(_losses(ep1, STEPS), rel=1e-4)
+    assert ep1.losses[10] < ep1.losses[1] - 0.3
+    assert "local experts dedicated over 1 x 2 ranks (replicate x efsdp)" in ep2.output
+    assert "local experts dedicated over 2 x 1 ranks (replicate x efsdp)" in hsdp.output
+    assert "expert parallelism" not in ep1.output
+    # 42 matrices + 3 MoE layers x 3 stacks of 8 experts, counted alike under EP.
+    for run in (ep1, ep2):
+        assert "dedicate_params: 51 parameters (114 matrices)" in run.output
+    ns_cost, held = map(float, BALANCE.search(ep2.output).groups())
+    assert ns_cost <= 1.10 and held <= 1.25, (ns_cost, held)
+
+
+def test_llama4_checkpoints_resume_across_expert_parallel_degrees(tmp_path_factory, tmp_path):
+    """A checkpoint saved at EP 2 resumes at EP 1 and one saved at EP 1 resumes at EP 2
+    (values and momentum of each expert, saved once by its owner); the curve continues
+    within rtol 1e-4."""
+    ep1, ep2 = _ep_runs(tmp_path_factory, LLAMA4, ep(1), ep(2))
+    common = from_seed(tmp_path_factory, LLAMA4)
+    for saved, degree in ((ep2, 1), (ep1, 2)):
+        resumed = run_train(
+            [*resume_from(saved.dump / "checkpoint" / "step-5", common), *ep(degree)],
+            4,
+            tmp_path / f"ep{degree}",
+            LLAMA4,
+        )
+        assert resumed.returncode == 0, resumed.output[-4000:]
+        assert sorted(resumed.losses) == list(range(6, 11))
+        assert _losses(resumed, range(6, 11)) == pytest.approx(
+            _losses(saved, range(6, 11)), rel=1e-4
+        )
+
+
+def test_deepseek_v3_expert_parallel_follows_ep1(tmp_path_factory):
+    """deepseek_v3 debug MoE (multi-head latent attention, 8 routed experts top-3 and 2
+    shared) through its own train spec: the matrices the config names are dedicated (6
+    layers x 4 attention projections, one dense FFN, 5 MoE layers x 3 shared-expert
+    matrices and 3 stacks of 8 routed experts); EP 2 under Z2 follows EP 1 under Z3
+    within rtol 1e-4 over 10 steps."""
+    ep1, ep2 = _ep_runs(
+        tmp_path_factory, DEEPSEEK, ep(1), ep(2, "--dmuon.reshard_after_forward", "False")
+    )
+    assert _losses(ep2, STEPS) == pytest.approx(_losses(ep1, STEPS), rel=1e-4)
+    assert ep1.losses[10] < ep1.losses[1] - 0.2
+    for run in (ep1, ep2):
+        assert "dedicate_params: 57 parameters (162 matrices)" in run.output
+    assert re.search(r"dedicate_params: .* Z3", ep1.output)
+    assert re.search(r"dedicate_params: .* Z2", ep2.output)
+    assert "local experts dedicated over 1 x 2 ranks (replicate x efsdp)" in ep2.output
