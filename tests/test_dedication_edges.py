@@ -11,7 +11,16 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from tests.dist import run_distributed
-from tests.models import BranchBlock, batch, loss_fn, make_model, proj_predicate
+from tests.models import (
+    BranchBlock,
+    ExpertBlock,
+    batch,
+    loss_fn,
+    make_model,
+    proj_or_experts_predicate,
+    proj_predicate,
+    shard_experts,
+)
 from tests.workers import (
     ADAMW_KW,
     MUON_KW,
@@ -340,6 +349,17 @@ def errors_worker(rank, world):
         dedicate_params(model, mesh, proj_predicate)
         Muon(model, replicate_async=True)
 
+    def expert_model():
+        model = make_model(block=ExpertBlock)
+        shard_experts(model, mesh)  # expert parallelism 2
+        return model
+
+    def experts_without_expert_mesh():
+        dedicate_params(expert_model(), mesh, proj_or_experts_predicate)
+
+    def expert_mesh_too_large():
+        dedicate_params(expert_model(), mesh, proj_or_experts_predicate, expert_mesh=mesh)
+
     def step_before_backward():
         model = make_model()
         dedicate_params(model, mesh, proj_predicate)
@@ -351,6 +371,8 @@ def errors_worker(rank, world):
         disagree=disagree,
         step_before_backward=step_before_backward,
         async_without_replicas=async_without_replicas,
+        experts_without_expert_mesh=experts_without_expert_mesh,
+        expert_mesh_too_large=expert_mesh_too_large,
     )
     raised = {}
     for name, case in cases.items():
@@ -379,6 +401,8 @@ def test_bad_input_raises_clear_errors_on_every_rank():
         "twice": ("RuntimeError", "already applied"),
         "disagree": ("RuntimeError", "disagree"),
         "step_before_backward": ("RuntimeError", "before any backward"),
+        "experts_without_expert_mesh": ("ValueError", "'layers.0.experts_proj'"),
+        "expert_mesh_too_large": ("ValueError", "must make up mesh"),
     }
     for rank_result in by_rank:
         for case, (kind, words) in expected.items():
