@@ -4,6 +4,8 @@ real training runs through ./run_train.sh on CPU (gloo), asserting on the logged
 
 from __future__ import annotations
 
+import copy
+import fnmatch
 import math
 import os
 import re
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 LOSS = re.compile(r"step:\s*(\d+)\s+loss:\s*(\S+)")
@@ -338,3 +341,50 @@ def test_config_file_named_last_is_used(tmp_path_factory):
     run = shared_run(MOE_SAVING, 2, tmp_path_factory)
     assert run.returncode == 0, run.output[-3000:]
     assert "Building llama4 debugmodel" in run.output and "Building llama3" not in run.output
+
+
+# Per MoE config: (2-D matrices, 3-D expert stacks) its [dmuon] params select.
+MOE_SELECTIONS = {
+    "llama4_debug_moe.toml": (42, 9),
+    "deepseek_v3_debug_moe.toml": (42, 15),
+    "qwen3_debug_moe.toml": (32, 24),
+    "qwen3_30b_a3b_ep8.toml": (48 * 4, 48 * 3),
+    "deepseek_v3_16b_ep8.toml": (27 * 4 + 3 + 26 * 3, 26 * 3),
+    "gpt_oss_20b_ep8.toml": (24 * 4, 24 * 2),
+}
+
+
+@pytest.mark.parametrize("config_name", sorted(MOE_SELECTIONS))
+def test_moe_configs_select_what_a_muon_user_would(config_name):
+    """Each MoE config's [dmuon] params, on its model built on the meta device (GPU
+    models included): every pattern matches, the selection is the attention and FFN /
+    expert weight matrices and the routed-expert stacks, and never a bias, an attention
+    sink, a norm, the router gate, the embeddings or the output head."""
+    from torchtitan.config import ConfigManager
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    from torchtitan_dmuon.engine.selection import select_matrices
+    from torchtitan_dmuon.titan.parallelize import muon_predicate
+
+    cfg = ConfigManager().parse_args(
+        [
+            "--job.config_file",
+            str(ROOT / "train_configs" / config_name),
+            "--job.custom_config_module",
+            "torchtitan_dmuon.titan.config",
+        ]
+    )
+    spec = get_train_spec(cfg.model.name)
+    model_args = copy.deepcopy(spec.model_args[cfg.model.flavor])
+    model_args.update_from_config(cfg)  # as the trainer does
+    with torch.device("meta"):
+        model = spec.model_cls(model_args)
+    selected = select_matrices(model, muon_predicate(cfg.dmuon))
+    names = [name for name, _ in selected]
+    for pattern in cfg.dmuon.params:
+        assert any(fnmatch.fnmatchcase(n, pattern) for n in names), pattern
+    kept_on_adamw = ("bias", "sinks", "norm", "router", "embeddings", "output")
+    assert not [n for n in names if any(word in n for word in kept_on_adamw)]
+    stacks = [n for n, p in selected if p.ndim == 3]
+    assert all(".moe.experts." in n for n in stacks)
+    assert (len(selected) - len(stacks), len(stacks)) == MOE_SELECTIONS[config_name]

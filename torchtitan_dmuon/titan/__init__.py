@@ -22,7 +22,7 @@ from torchtitan_dmuon.titan.cpu import enable_cpu_support
 
 __all__ = ["MODELS", "register"]
 
-MODELS = ("llama3", "qwen3", "llama4", "deepseek_v3")
+MODELS = ("llama3", "qwen3", "llama4", "deepseek_v3", "gpt_oss")
 """TorchTitan models whose train specs DMuon wraps (same names: selecting ``[optimizer]
 name = "DMuon"`` is the only change a config needs)."""
 

@@ -51,7 +51,7 @@ def dmuon_settings(model: nn.Module) -> DMuon:
     if model not in _SETTINGS:
         raise RuntimeError(
             "[optimizer] name = 'DMuon' needs a model parallelized by a DMuon train spec "
-            "(torchtitan_dmuon.titan registers llama3, qwen3 and llama4); this model part "
+            "(torchtitan_dmuon.titan.MODELS lists the registered ones); this model part "
             "was not dedicated"
         )
     return _SETTINGS[model]

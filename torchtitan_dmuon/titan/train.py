@@ -5,7 +5,7 @@
 
 * the ``[dmuon]`` section, when ``--job.custom_config_module torchtitan_dmuon.titan.config``
   is given (``run_train.sh`` adds it) or ``[job] custom_config_module`` names it;
-* train specs for llama3, qwen3 and llama4 whose parallelize and optimizer functions use
+* train specs for the models of ``titan.MODELS`` whose parallelize and optimizer functions use
   DMuon when ``[optimizer] name = "DMuon"`` (and are TorchTitan's own otherwise);
 * the CPU layer (``titan/cpu.py``) where there is no GPU;
 * with DMuon on: DMuon's gradient clipping (correct over dedicated and FSDP parameters,
