@@ -282,9 +282,10 @@ BAD_INPUT = [
     # llama4_debug_moe.toml runs with expert parallelism 2.
     ([*LLAMA4_NAMED_LAST, "--dmuon.params", "layers.*.moe.experts.w9"], 2, "matches no parameter"),
     (
-        [*LLAMA4_NAMED_LAST, "--parallelism.tensor_parallel_degree", "2"],
-        2,
-        "does not support expert parallel together with tensor parallel",
+        [*LLAMA4_NAMED_LAST, "--parallelism.tensor_parallel_degree", "2"]
+        + ["--parallelism.expert_tensor_parallel_degree", "2"],
+        4,
+        "does not support expert tensor parallel",
     ),
 ]
 

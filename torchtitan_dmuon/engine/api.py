@@ -141,10 +141,10 @@ def _ancestors(name: str) -> list[str]:
 def verify_plan(dedication: Dedication) -> None:
     """Check that every data-parallel rank holds the same plan and sits where the
     (replicate, shard) layout says: one small all-gather over the shard group, one over
-    the replicate group (HSDP), and first one over the experts' shard group (expert
-    parallelism). The same gathers tell each rank the global rank of every owner slot
-    (``Dedication.slot_ranks`` and ``expert_slot_ranks``, which checkpoints of split
-    stacks name).
+    the replicate group (HSDP), and under expert parallelism first one over the experts'
+    shard group and last one over the tensor-parallel group (if any). The same gathers
+    tell each rank the global rank of every owner slot (``Dedication.slot_ranks`` and
+    ``expert_slot_ranks``, which checkpoints of split stacks name).
 
     All gathers run before anything is judged, and each later one carries the verdicts
     of the earlier groups, so every rank of the data-parallel groups raises alike and a
@@ -182,16 +182,28 @@ def verify_plan(dedication: Dedication) -> None:
                 "plan or layout (see the error on those ranks)"
             )
         tables = [row[5:] for row in sorted(rows, key=lambda row: row[1])]
+    triples = [table[i : i + 3] for table in tables for i in range(0, len(table), 3)]
+    # (replica, global rank, experts' column, ep rank) of each data-parallel rank.
+    entries = [(slot // dedication.shard_size, *triple) for slot, triple in enumerate(triples)]
+    if len(dedication.domains) == 2 and dedication.tp_group is not None:
+        # The ep groups may span the tensor-parallel ranks (TorchTitan's ep borrows them):
+        # their owners too. Carrying the verdicts, since these groups cross shard groups.
+        flat = [error is None] + [x for entry in entries for x in entry]
+        rows = _all_gather_rows(flat, dedication.tp_group, device)
+        if error is None and not all(row[0] for row in rows):
+            error = RuntimeError(
+                "the ranks of another tensor-parallel position disagree about the "
+                "dedication plan or layout (see the error on those ranks)"
+            )
+        entries = [tuple(row[i : i + 4]) for row in rows for i in range(1, len(row), 4)]
     if error is not None:
         raise error
-    triples = [table[i : i + 3] for table in tables for i in range(0, len(table), 3)]
     dedication.slot_ranks = [rank for rank, _, _ in triples]
     if len(dedication.domains) == 2:
         per_replica = dedication.domains[1].size
         expert_slots = per_replica * dedication.replicate_size
         expert_slot_ranks = [[0] * expert_slots for _ in range(dedication.ep_mesh.size())]
-        for slot, (rank, column, ep) in enumerate(triples):
-            replica = slot // dedication.shard_size
+        for replica, rank, column, ep in entries:
             expert_slot_ranks[ep][replica * per_replica + column] = rank
         dedication.expert_slot_ranks = expert_slot_ranks
 
@@ -264,14 +276,18 @@ def _tensor_parallel_mesh(selected: list[tuple[str, nn.Parameter]]) -> DeviceMes
 
 
 def _expert_parallel_mesh(
-    selected: list[tuple[str, nn.Parameter]], mesh: DeviceMesh, expert_mesh: DeviceMesh | None
+    selected: list[tuple[str, nn.Parameter]],
+    mesh: DeviceMesh,
+    expert_mesh: DeviceMesh | None,
+    tp_mesh: DeviceMesh | None,
 ) -> DeviceMesh | None:
     """The ``ep`` mesh the selected expert stacks are sharded over, or None.
 
     Raises:
         ValueError: expert-parallel stacks without ``expert_mesh``, over different
             meshes or unevenly, or an ``expert_mesh`` that does not make up the shard
-            mesh together with the ``ep`` mesh.
+            mesh (times the tensor-parallel mesh, whose ranks ``ep`` may borrow)
+            together with the ``ep`` mesh.
     """
     stacks = [(name, p) for name, p in selected if is_expert_parallel(p)]
     if not stacks:
@@ -293,10 +309,12 @@ def _expert_parallel_mesh(
                 f"{name!r}: {p.shape[0]} experts do not split evenly over {ep_mesh.size()} "
                 "expert-parallel ranks"
             )
-    if expert_mesh.size() * ep_mesh.size() != mesh.size():
+    tp_size = tp_mesh.size() if tp_mesh is not None else 1
+    if expert_mesh.size() * ep_mesh.size() != mesh.size() * tp_size:
         raise ValueError(
             f"expert_mesh ({expert_mesh.size()} ranks) x the ep mesh ({ep_mesh.size()} "
-            f"ranks) must make up mesh ({mesh.size()} ranks)"
+            f"ranks) must make up mesh ({mesh.size()} ranks) x the tensor-parallel mesh "
+            f"({tp_size} ranks)"
         )
     return ep_mesh
 
@@ -395,7 +413,7 @@ def dedicate_params(
         raise ValueError("predicate selected no trainable 2-D or 3-D parameter")
     tp_mesh = _tensor_parallel_mesh(selected)
     expert_columns = None
-    if _expert_parallel_mesh(selected, mesh, expert_mesh) is not None:
+    if _expert_parallel_mesh(selected, mesh, expert_mesh, tp_mesh) is not None:
         # Which experts' column each shard-group rank is (the two domains are balanced
         # together): the one collective of planning, after every check.
         device = _mesh_device(mesh)

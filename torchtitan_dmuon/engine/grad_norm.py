@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torchtitan_dmuon.engine.dedication import get_dedication
+from torchtitan_dmuon.engine.plan import is_expert_parallel
 
 __all__ = ["clip_grad_norm_"]
 
@@ -54,10 +55,13 @@ def clip_grad_norm_(
         raise ValueError(f"norm_type: only the 2-norm is supported, got {norm_type}")
     parts = [model] if isinstance(model, nn.Module) else list(model)
     dedications = [d for d in map(get_dedication, parts) if d is not None]
-    owned, owned_shards = [], []  # whole matrices; tensor-parallel shards
+    # Whole matrices (the same on every TP rank); per TP rank: tensor-parallel shards and
+    # expert-parallel experts (ep may borrow TP ranks: each holds other experts).
+    owned, owned_per_tp_rank = [], []
     for d in dedications:
         for param, _, grad in d.owned_grads():
-            (owned if d.split_dim_of(param) is None else owned_shards).append(grad)
+            per_tp_rank = d.split_dim_of(param) is not None or is_expert_parallel(param)
+            (owned_per_tp_rank if per_tp_rank else owned).append(grad)
     sharded, replicated = [], []
     for p in (p for part in parts for p in part.parameters()):
         if p.grad is None:
@@ -78,18 +82,18 @@ def clip_grad_norm_(
         # Each dedicated matrix's gradient is on one rank of the data-parallel groups;
         # a tensor-parallel one in shards over the owner column's TP ranks.
         owned_sq = torch.stack(
-            [_sum_of_squares(owned, device), _sum_of_squares(owned_shards, device)]
+            [_sum_of_squares(owned, device), _sum_of_squares(owned_per_tp_rank, device)]
         )
         for group in dedications[0].data_parallel_groups():
             dist.all_reduce(owned_sq, op=dist.ReduceOp.SUM, group=group)
-        if dedications[0].tp_group is not None:  # the shards' part, in place
+        if dedications[0].tp_group is not None:  # the per-TP-rank part, in place
             dist.all_reduce(owned_sq[1:], op=dist.ReduceOp.SUM, group=dedications[0].tp_group)
         total_sq = total_sq + owned_sq.sum()
     if pp_group is not None:
         dist.all_reduce(total_sq, op=dist.ReduceOp.SUM, group=pp_group)
     total = total_sq.sqrt()
     coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    grads = owned + owned_shards + [g.to_local() for g in sharded] + replicated
+    grads = owned + owned_per_tp_rank + [g.to_local() for g in sharded] + replicated
     if grads:
         torch._foreach_mul_(grads, coefficient)
     return total

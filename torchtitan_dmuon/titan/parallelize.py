@@ -67,9 +67,8 @@ def clean_fqn(name: str) -> str:
 
 def _unsupported(parallel_dims) -> list[str]:
     checks = {
-        "expert parallel together with tensor parallel (parallelism."
-        "expert_parallel_degree with parallelism.tensor_parallel_degree)": (
-            parallel_dims.ep_enabled and parallel_dims.tp_enabled
+        "expert tensor parallel (parallelism.expert_tensor_parallel_degree > 1)": (
+            parallel_dims.ep_enabled and parallel_dims.etp_enabled
         ),
     }
     return [what for what, enabled in checks.items() if enabled]
@@ -179,8 +178,8 @@ def with_dedication(parallelize_fn: Callable) -> Callable:
         if unsupported:
             raise ValueError(
                 f"[optimizer] name = 'DMuon' does not support {', '.join(unsupported)} yet; "
-                "use expert parallelism without tensor parallelism, or tensor parallelism "
-                "with expert_parallel_degree = 1"
+                "with expert parallelism, keep expert_tensor_parallel_degree = 1 (the "
+                "routed experts whole on each rank, the other matrices tensor-parallel)"
             )
         settings = job_config.dmuon
         if not parallel_dims.pp_enabled:  # else checked on the whole model, before the split
