@@ -65,40 +65,52 @@ def test_llama4_expert_parallel_follows_ep1(tmp_path_factory):
     assert ns_cost <= 1.10 and held <= 1.25, (ns_cost, held)
 
 
+TP2 = ["--parallelism.tensor_parallel_degree", "2"]
+ETP2 = [*TP2, "--parallelism.expert_tensor_parallel_degree", "2"]
+
+
+def _fsdp2_and_tensor_parallel(factory: pytest.TempPathFactory):
+    """FSDP 2 with EP 1 (2 ranks), and on 4 ranks FSDP 2 x TP 2 with EP 2, with expert
+    tensor parallelism 1 and 2: the same data-parallel degree, so the same batches."""
+    (fsdp,) = _ep_runs(factory, LLAMA4, ep(1), ngpu=2)
+    tensor_parallel, expert_tensor_parallel = _ep_runs(factory, LLAMA4, ep(2, *TP2), ep(2, *ETP2))
+    return fsdp, tensor_parallel, expert_tensor_parallel
+
+
 def test_llama4_expert_parallel_with_tensor_parallel(tmp_path_factory):
-    """FSDP 2 x TP 2 with EP 2 (expert_tensor_parallel_degree 1: the ep mesh borrows the
-    TP ranks, the routed experts stay whole while the other matrices are split) follows
-    FSDP 2 with EP 1 (the same data-parallel degree, so the same batches) over 10
-    steps, to rtol 5e-4: TP splits the matmuls, whose rounding a top-1 router amplifies
-    (step 1: 8.09927 both; 2.8e-4 apart at most, steps 7-8). FSDP2 + AdamW differs more
-    in the same comparison (1.2e-3 at step 10, measured from the same seed)."""
-    (fsdp,) = _ep_runs(tmp_path_factory, LLAMA4, ep(1), ngpu=2)
-    (tensor_parallel,) = _ep_runs(
-        tmp_path_factory, LLAMA4, ep(2, "--parallelism.tensor_parallel_degree", "2")
-    )
-    assert _losses(tensor_parallel, STEPS) == pytest.approx(_losses(fsdp, STEPS), rel=5e-4)
-    assert "local experts dedicated over 1 x 2 ranks (replicate x efsdp)" in (
-        tensor_parallel.output
-    )
+    """FSDP 2 x TP 2 with EP 2 follows FSDP 2 with EP 1 over 10 steps: with expert tensor
+    parallelism 1 (the ep mesh borrows the TP ranks; the routed experts stay whole while
+    the other matrices are split) and 2 (each expert's matrices split over the TP ranks
+    too, orthogonalized by the owner column's TP ranks together). To rtol 5e-4: TP splits
+    the matmuls, whose rounding a top-1 router amplifies (etp 1: step 1 8.09927 in both,
+    2.8e-4 apart at most, steps 7-8); FSDP2 + AdamW differs more in the same comparison
+    (1.2e-3 at step 10, measured from the same seed)."""
+    fsdp, tensor_parallel, expert_tensor_parallel = _fsdp2_and_tensor_parallel(tmp_path_factory)
+    for run in (tensor_parallel, expert_tensor_parallel):
+        assert _losses(run, STEPS) == pytest.approx(_losses(fsdp, STEPS), rel=5e-4)
+        assert "local experts dedicated over 1 x " in run.output
+    assert "tensor-parallel Newton-Schulz of (256, 256)" in expert_tensor_parallel.output
 
 
 def test_llama4_checkpoints_resume_across_expert_parallel_degrees(tmp_path_factory, tmp_path):
-    """A checkpoint saved at EP 2 resumes at EP 1 and one saved at EP 1 resumes at EP 2
-    (values and momentum of each expert, saved once by its owner); the curve continues
-    within rtol 1e-4."""
-    ep1, ep2 = _ep_runs(tmp_path_factory, LLAMA4, ep(1), ep(2))
+    """A checkpoint saved at EP 2 resumes at EP 1 (4 ranks), and one saved at EP 1 (FSDP
+    2) resumes at EP 2 with expert tensor parallelism 2 (FSDP 2 x TP 2, each expert's
+    piece in TP shards): values and momentum of each expert, saved once by its owner;
+    the curve continues (rtol 1e-4; 5e-4 across tensor parallelism, see above)."""
+    _, ep2 = _ep_runs(tmp_path_factory, LLAMA4, ep(1), ep(2))
+    fsdp, _, _ = _fsdp2_and_tensor_parallel(tmp_path_factory)
     common = from_seed(tmp_path_factory, LLAMA4)
-    for saved, degree in ((ep2, 1), (ep1, 2)):
+    for i, (saved, layout, rtol) in enumerate(((ep2, ep(1), 1e-4), (fsdp, ep(2, *ETP2), 5e-4))):
         resumed = run_train(
-            [*resume_from(saved.dump / "checkpoint" / "step-5", common), *ep(degree)],
+            [*resume_from(saved.dump / "checkpoint" / "step-5", common), *layout],
             4,
-            tmp_path / f"ep{degree}",
+            tmp_path / f"resume{i}",
             LLAMA4,
         )
         assert resumed.returncode == 0, resumed.output[-4000:]
         assert sorted(resumed.losses) == list(range(6, 11))
         assert _losses(resumed, range(6, 11)) == pytest.approx(
-            _losses(saved, range(6, 11)), rel=1e-4
+            _losses(saved, range(6, 11)), rel=rtol
         )
 
 

@@ -281,12 +281,6 @@ BAD_INPUT = [
     (["--parallelism.expert_parallel_degree", "2"], 2, "needs a MoE model"),
     # llama4_debug_moe.toml runs with expert parallelism 2.
     ([*LLAMA4_NAMED_LAST, "--dmuon.params", "layers.*.moe.experts.w9"], 2, "matches no parameter"),
-    (
-        [*LLAMA4_NAMED_LAST, "--parallelism.tensor_parallel_degree", "2"]
-        + ["--parallelism.expert_tensor_parallel_degree", "2"],
-        4,
-        "does not support expert tensor parallel",
-    ),
 ]
 
 

@@ -21,11 +21,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from torchtitan_dmuon.engine import comm
 from torchtitan_dmuon.engine.dedication import Dedication, get_dedication
-from torchtitan_dmuon.engine.plan import BoundaryPredicate, build_plan, is_expert_parallel
+from torchtitan_dmuon.engine.plan import (
+    BoundaryPredicate,
+    build_plan,
+    expert_parallel_coordinates,
+    is_expert_parallel,
+)
 from torchtitan_dmuon.engine.selection import Predicate, select_matrices
 from torchtitan_dmuon.engine.settings import DedicationSettings
 from torchtitan_dmuon.optim.newton_schulz import matrix_count
@@ -61,7 +66,8 @@ def get_full_param(model: nn.Module, name: str) -> torch.Tensor:
     value = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
     param = found[0][1].param
     if is_expert_parallel(param):  # every ep rank's local experts, in order
-        value = DTensor.from_local(value, param.device_mesh, [Shard(0)], run_check=False)
+        placements = [Shard(0)] + [Replicate()] * (param.device_mesh.ndim - 1)
+        value = DTensor.from_local(value, param.device_mesh, placements, run_check=False)
         value = value.full_tensor()
     return value
 
@@ -144,7 +150,7 @@ def verify_plan(dedication: Dedication) -> None:
     the replicate group (HSDP), and under expert parallelism first one over the experts'
     shard group and last one over the tensor-parallel group (if any). The same gathers
     tell each rank the global rank of every owner slot (``Dedication.slot_ranks`` and
-    ``expert_slot_ranks``, which checkpoints of split stacks name).
+    ``expert_owner_ranks``, which checkpoints of split stacks name).
 
     All gathers run before anything is judged, and each later one carries the verdicts
     of the earlier groups, so every rank of the data-parallel groups raises alike and a
@@ -154,21 +160,23 @@ def verify_plan(dedication: Dedication) -> None:
     device = _mesh_device(dedication.mesh)
     fingerprint = dedication.plan.fingerprint(dedication.settings.reshard_after_forward)
     coordinates = [fingerprint, dedication.replicate_rank]
-    error, expert_rank, ep_rank = None, 0, 0
+    error, expert_rank, ep_rank, etp_rank = None, 0, 0, 0
     if len(dedication.domains) == 2:
         experts = dedication.domains[1]
-        expert_rank, ep_rank = experts.rank, dedication.ep_mesh.get_local_rank()
+        expert_rank, ep_rank, etp_rank = experts.rank, dedication.ep_rank, dedication.etp_rank
         rows = _all_gather_rows(coordinates + [expert_rank], experts.shard_group, device)
         error = _layout_error(rows, "efsdp")
     mine = coordinates + [dedication.shard_rank, dist.get_rank(), error is None]
-    shard_table = _all_gather_rows(mine + [expert_rank, ep_rank], dedication.shard_group, device)
+    shard_table = _all_gather_rows(
+        mine + [expert_rank, ep_rank, etp_rank], dedication.shard_group, device
+    )
     error = error or _layout_error([row[:3] for row in shard_table], "shard")
     if error is None and not all(row[4] for row in shard_table):
         error = RuntimeError(
             "the ranks of another efsdp group disagree about the dedication plan or "
             "layout (see the error on those ranks)"
         )
-    # (global rank, experts' column, ep rank) of this replica's columns, in column order.
+    # (global rank, experts' column, ep rank, etp rank) of this replica's columns, in order.
     columns = [x for row in sorted(shard_table, key=lambda row: row[2]) for x in row[3:4] + row[5:]]
     tables = [columns]
     if dedication.replicas is not None:
@@ -182,9 +190,9 @@ def verify_plan(dedication: Dedication) -> None:
                 "plan or layout (see the error on those ranks)"
             )
         tables = [row[5:] for row in sorted(rows, key=lambda row: row[1])]
-    triples = [table[i : i + 3] for table in tables for i in range(0, len(table), 3)]
-    # (replica, global rank, experts' column, ep rank) of each data-parallel rank.
-    entries = [(slot // dedication.shard_size, *triple) for slot, triple in enumerate(triples)]
+    ranks = [table[i : i + 4] for table in tables for i in range(0, len(table), 4)]
+    # (replica, global rank, experts' column, ep rank, etp rank) of each data-parallel rank.
+    entries = [(slot // dedication.shard_size, *row) for slot, row in enumerate(ranks)]
     if len(dedication.domains) == 2 and dedication.tp_group is not None:
         # The ep groups may span the tensor-parallel ranks (TorchTitan's ep borrows them):
         # their owners too. Carrying the verdicts, since these groups cross shard groups.
@@ -195,17 +203,16 @@ def verify_plan(dedication: Dedication) -> None:
                 "the ranks of another tensor-parallel position disagree about the "
                 "dedication plan or layout (see the error on those ranks)"
             )
-        entries = [tuple(row[i : i + 4]) for row in rows for i in range(1, len(row), 4)]
+        entries = [tuple(row[i : i + 5]) for row in rows for i in range(1, len(row), 5)]
     if error is not None:
         raise error
-    dedication.slot_ranks = [rank for rank, _, _ in triples]
+    dedication.slot_ranks = [row[0] for row in ranks]
     if len(dedication.domains) == 2:
         per_replica = dedication.domains[1].size
-        expert_slots = per_replica * dedication.replicate_size
-        expert_slot_ranks = [[0] * expert_slots for _ in range(dedication.ep_mesh.size())]
-        for replica, rank, column, ep in entries:
-            expert_slot_ranks[ep][replica * per_replica + column] = rank
-        dedication.expert_slot_ranks = expert_slot_ranks
+        dedication.expert_owner_ranks = {
+            (ep, replica * per_replica + column, etp): rank
+            for replica, rank, column, ep, etp in entries
+        }
 
 
 def _mesh_device(mesh: DeviceMesh) -> torch.device:
@@ -251,7 +258,11 @@ def _tensor_parallel_mesh(selected: list[tuple[str, nn.Parameter]]) -> DeviceMes
     """
     meshes = []
     for name, p in selected:
-        if not isinstance(p, DTensor) or is_expert_parallel(p):
+        if is_expert_parallel(p):
+            if p.device_mesh.ndim == 2:  # expert tensor parallelism: its etp dim
+                meshes.append((name, _etp_mesh(name, p)))
+            continue
+        if not isinstance(p, DTensor):
             continue
         placements, shape = p.placements, tuple(p.shape)
         ok = (
@@ -273,6 +284,17 @@ def _tensor_parallel_mesh(selected: list[tuple[str, nn.Parameter]]) -> DeviceMes
             f"{[(name, m.mesh.tolist()) for name, m in meshes]}"
         )
     return meshes[0][1] if meshes else None
+
+
+def _etp_mesh(name: str, stack: DTensor) -> DeviceMesh:
+    mesh = stack.device_mesh
+    split = stack.placements[1].dim
+    if mesh.mesh_dim_names is None or stack.shape[split] % mesh.size(1) != 0:
+        raise ValueError(
+            f"{name!r}: an expert-tensor-parallel stack must be split evenly over a named "
+            f"mesh dim; got shape {tuple(stack.shape)} over mesh dims {mesh.mesh_dim_names}"
+        )
+    return mesh[mesh.mesh_dim_names[1]]
 
 
 def _expert_parallel_mesh(
@@ -303,18 +325,19 @@ def _expert_parallel_mesh(
             f"the expert stacks are sharded over different meshes: {sorted(ep_meshes)}"
         )
     ep_mesh = stacks[0][1].device_mesh
+    _, ep_size, _, etp_size = expert_parallel_coordinates(stacks[0][1])
     for name, p in stacks:
-        if p.shape[0] % ep_mesh.size() != 0:
+        if p.shape[0] % ep_size != 0:
             raise ValueError(
-                f"{name!r}: {p.shape[0]} experts do not split evenly over {ep_mesh.size()} "
+                f"{name!r}: {p.shape[0]} experts do not split evenly over {ep_size} "
                 "expert-parallel ranks"
             )
     tp_size = tp_mesh.size() if tp_mesh is not None else 1
-    if expert_mesh.size() * ep_mesh.size() != mesh.size() * tp_size:
+    if expert_mesh.size() * ep_size * etp_size != mesh.size() * tp_size:
         raise ValueError(
-            f"expert_mesh ({expert_mesh.size()} ranks) x the ep mesh ({ep_mesh.size()} "
-            f"ranks) must make up mesh ({mesh.size()} ranks) x the tensor-parallel mesh "
-            f"({tp_size} ranks)"
+            f"expert_mesh ({expert_mesh.size()} ranks) x the ep mesh ({ep_size} ranks) x "
+            f"the etp mesh ({etp_size} ranks) must make up mesh ({mesh.size()} ranks) x "
+            f"the tensor-parallel mesh ({tp_size} ranks)"
         )
     return ep_mesh
 

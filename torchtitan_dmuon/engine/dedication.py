@@ -25,7 +25,13 @@ from torch.profiler import record_function
 from torchtitan_dmuon.engine import comm, patches
 from torchtitan_dmuon.engine.hooks import HookDriver
 from torchtitan_dmuon.engine.others import OtherParams
-from torchtitan_dmuon.engine.plan import DedicatedParam, Plan, UnitPlan, local_tensor
+from torchtitan_dmuon.engine.plan import (
+    DedicatedParam,
+    Plan,
+    UnitPlan,
+    expert_parallel_coordinates,
+    local_tensor,
+)
 from torchtitan_dmuon.engine.replicas import Replicas
 from torchtitan_dmuon.engine.settings import DedicationSettings
 from torchtitan_dmuon.engine.unit import RefilledParam, Unit, refills
@@ -70,9 +76,11 @@ class Dedication:
         domains: The shard groups of the dense domain and, under expert parallelism,
             of the experts' (``shard_group``/``reduce_group``/``shard_rank``/
             ``shard_size`` are the dense domain's).
-        ep_mesh: Under expert parallelism, the mesh the expert stacks are sharded over.
-        expert_slot_ranks: Under expert parallelism, the global rank of each experts'
-            owner slot, per ``ep`` rank (set by ``verify_plan``).
+        ep_rank / ep_size / etp_rank / etp_size: Under expert parallelism, this rank's
+            place in the mesh the expert stacks are sharded over (etp: 0 / 1 without
+            expert tensor parallelism).
+        expert_owner_ranks: Under expert parallelism, the global rank of each experts'
+            owner, by ``(ep rank, experts' slot, etp rank)`` (set by ``verify_plan``).
     """
 
     def __init__(
@@ -105,12 +113,14 @@ class Dedication:
         if replicate_mesh is not None:
             group = comm.engine_group(replicate_mesh.get_group(), "dmuon_replicate")
             self.replicas = Replicas(group, replicate_rank, replicate_mesh.size(), self.stats)
-        # Expert parallelism: the experts' own shard mesh (efsdp), and the ep mesh the
-        # stacks are sharded over (which of them this rank's local experts are).
-        self.ep_mesh: DeviceMesh | None = None
+        # Expert parallelism: the experts' own shard mesh (efsdp), and where this rank
+        # sits in the mesh the stacks are sharded over (which experts are its own).
+        self.ep_rank, self.ep_size, self.etp_rank, self.etp_size = 0, 1, 0, 1
         if len(plan.domains) == 2:
             self.domains.append(ShardGroups(expert_mesh, "expert_"))
-            self.ep_mesh = next(u.params[0].param for u in plan.units if u.domain == 1).device_mesh
+            stack = next(u.params[0].param for u in plan.units if u.domain == 1)
+            coordinates = expert_parallel_coordinates(stack)
+            self.ep_rank, self.ep_size, self.etp_rank, self.etp_size = coordinates
         self.boundary_units: list[list[Unit]] = [
             [self._unit(u) for u in b.units] for b in plan.boundaries
         ]
@@ -126,7 +136,7 @@ class Dedication:
         self.pipeline_stage: int | None = None
         self.synced_backwards = 0
         self.slot_ranks: list[int] | None = None
-        self.expert_slot_ranks: list[list[int]] | None = None
+        self.expert_owner_ranks: dict[tuple[int, int, int], int] | None = None
         self.initialized = False
         for d in plan.params:
             module_name, _, param_name = d.name.rpartition(".")
@@ -380,30 +390,37 @@ class Dedication:
         if self.replicas is not None:
             self.replicas.wait_all()
 
-    def piece_owners(self, name: str) -> list[tuple[tuple[int, int], int]]:
-        """``(experts in the whole stack, global rank of the primary owner)`` of each piece
-        of the split stack ``name`` (under expert parallelism: of every ``ep`` rank's
-        local experts), in expert order (needs ``verify_plan``, which ``Muon`` runs)."""
+    def piece_shards(self, name: str) -> list[tuple[list[int], list[int], int]]:
+        """``(offsets, sizes, global rank of the primary owner)`` of every piece of the
+        split stack ``name`` in the whole stack: under expert parallelism the pieces of
+        every ``ep`` rank's local experts, and under expert tensor parallelism each
+        piece's shards (needs ``verify_plan``, which ``Muon`` runs)."""
         if self.slot_ranks is None:
             raise RuntimeError(
                 "the owners' global ranks are not known yet: build the Muon optimizer on "
                 "the model first (it verifies the plan across ranks)"
             )
-        pieces = []
+        shards = []
         for u in self.plan.units:
             layout = self.plan.domains[u.domain]
             slot = u.primary_replica * layout.shard_size + u.column
             for d in u.params:
                 if d.name != name or d.experts is None:
                     continue
+                start, stop = d.experts
+                sizes = [stop - start, *d.local_shape[1:]]
                 if u.domain == 0:
-                    pieces.append((d.experts, self.slot_ranks[slot]))
+                    shards.append(([start, 0, 0], sizes, self.slot_ranks[slot]))
                     continue
-                local = local_tensor(d.param).shape[0]
-                for ep_rank, ranks in enumerate(self.expert_slot_ranks):
-                    start, stop = (e + ep_rank * local for e in d.experts)
-                    pieces.append(((start, stop), ranks[slot]))
-        return sorted(pieces)
+                split = d.split_dim  # the dim expert tensor parallelism splits, or None
+                for ep_rank in range(self.ep_size):
+                    for etp_rank in range(self.etp_size):
+                        offsets = [start + ep_rank * local_tensor(d.param).shape[0], 0, 0]
+                        if split is not None:
+                            offsets[split] = etp_rank * sizes[split]
+                        owner = self.expert_owner_ranks[ep_rank, slot, etp_rank]
+                        shards.append((offsets, sizes, owner))
+        return sorted(shards)
 
     # ---- tensor parallelism -----------------------------------------------------------------
     def split_dim_of(self, param: nn.Parameter) -> int | None:

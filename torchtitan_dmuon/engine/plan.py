@@ -47,6 +47,7 @@ __all__ = [
     "UnitPlan",
     "build_plan",
     "default_boundary_modules",
+    "expert_parallel_coordinates",
     "is_expert_parallel",
     "local_tensor",
 ]
@@ -60,14 +61,29 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def is_expert_parallel(tensor: torch.Tensor) -> bool:
-    """A stack of experts sharded along dim 0 over a 1-D (``ep``) mesh, as TorchTitan's
-    ``ExpertParallel`` lays out routed experts: each rank holds ``experts / ep`` of them."""
+    """A stack of experts sharded along dim 0 over the first dim of its mesh (``ep``), as
+    TorchTitan's ``ExpertParallel`` lays out routed experts (each rank holds ``experts /
+    ep`` of them); under expert tensor parallelism each matrix is split too, along its
+    rows or columns over a second mesh dim (``etp``)."""
+    if not isinstance(tensor, DTensor) or tensor.ndim != 3:
+        return False
+    placements = tuple(tensor.placements)
+    if tensor.device_mesh.ndim == 1:
+        return placements == (Shard(0),)
     return (
-        isinstance(tensor, DTensor)
-        and tensor.ndim == 3
-        and tensor.device_mesh.ndim == 1
-        and tuple(tensor.placements) == (Shard(0),)
+        tensor.device_mesh.ndim == 2
+        and placements[0] == Shard(0)
+        and placements[1] in (Shard(1), Shard(2))
     )
+
+
+def expert_parallel_coordinates(tensor: DTensor) -> tuple[int, int, int, int]:
+    """``(ep rank, ep size, etp rank, etp size)`` of an expert-parallel stack (etp: 0, 1
+    without expert tensor parallelism)."""
+    mesh = tensor.device_mesh
+    if mesh.ndim == 1:
+        return mesh.get_local_rank(), mesh.size(), 0, 1
+    return mesh.get_local_rank(0), mesh.size(0), mesh.get_local_rank(1), mesh.size(1)
 
 
 @dataclass(eq=False)
@@ -105,9 +121,11 @@ class DedicatedParam:
     @property
     def local_shape(self) -> torch.Size:
         """The shape this rank stores (its shard's under tensor parallelism)."""
-        if self.experts is not None:
-            return self.shape
-        return local_tensor(self.param).shape
+        local = local_tensor(self.param).shape
+        if self.experts is None:
+            return local
+        start, stop = self.experts
+        return torch.Size((stop - start, *local[1:]))
 
     @property
     def numel(self) -> int:
@@ -116,8 +134,11 @@ class DedicatedParam:
     @property
     def split_dim(self) -> int | None:
         """Under tensor parallelism, the dim it is split along (-2 rows, -1 columns)."""
-        if not isinstance(self.param, DTensor) or is_expert_parallel(self.param):
+        if not isinstance(self.param, DTensor):
             return None
+        if is_expert_parallel(self.param):  # split only under expert tensor parallelism
+            mesh_dims = self.param.device_mesh.ndim
+            return self.param.placements[1].dim - 3 if mesh_dims == 2 else None
         return self.param.placements[0].dim - self.param.ndim
 
     @property
@@ -126,7 +147,8 @@ class DedicatedParam:
         the experts of the lower ``ep`` ranks)."""
         if self.experts is None or not is_expert_parallel(self.param):
             return self.experts
-        first = self.param.device_mesh.get_local_rank() * local_tensor(self.param).shape[0]
+        ep_rank = expert_parallel_coordinates(self.param)[0]
+        first = ep_rank * local_tensor(self.param).shape[0]
         return self.experts[0] + first, self.experts[1] + first
 
 

@@ -22,6 +22,7 @@ import warnings
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
@@ -83,14 +84,11 @@ def as_saved(dedication: Dedication, entry: DedicatedParam, local: torch.Tensor)
     param = entry.param
     if entry.experts is not None:
         shards = [
-            ShardMetadata(
-                shard_offsets=[start] + [0] * (param.ndim - 1),
-                shard_sizes=[stop - start, *param.shape[1:]],
-                placement=f"rank:{rank}/{local.device}",
-            )
-            for (start, stop), rank in dedication.piece_owners(entry.name)
+            ShardMetadata(offsets, sizes, placement=f"rank:{rank}/{local.device}")
+            for offsets, sizes, rank in dedication.piece_shards(entry.name)
         ]
-        mine = next(md for md in shards if md.shard_offsets[0] == entry.global_experts[0])
+        # A rank owns at most one piece (or piece's shard) of each stack.
+        mine = next(md for md in shards if md.placement.rank() == dist.get_rank())
         metadata = ShardedTensorMetadata(
             shards, param.shape, TensorProperties(dtype=local.dtype, layout=torch.strided)
         )

@@ -65,15 +65,6 @@ def clean_fqn(name: str) -> str:
     return name
 
 
-def _unsupported(parallel_dims) -> list[str]:
-    checks = {
-        "expert tensor parallel (parallelism.expert_tensor_parallel_degree > 1)": (
-            parallel_dims.ep_enabled and parallel_dims.etp_enabled
-        ),
-    }
-    return [what for what, enabled in checks.items() if enabled]
-
-
 def _check_expert_parallel(model: nn.Module, parallel_dims) -> None:
     """Expert parallelism needs routed experts (3-D stacked weights) to shard."""
     if parallel_dims.ep_enabled and not any(p.ndim == 3 for p in model.parameters()):
@@ -174,13 +165,6 @@ def with_dedication(parallelize_fn: Callable) -> Callable:
     def parallelize(model: nn.Module, parallel_dims, job_config):
         if job_config.optimizer.name != DMUON:
             return parallelize_fn(model, parallel_dims, job_config)
-        unsupported = _unsupported(parallel_dims)
-        if unsupported:
-            raise ValueError(
-                f"[optimizer] name = 'DMuon' does not support {', '.join(unsupported)} yet; "
-                "with expert parallelism, keep expert_tensor_parallel_degree = 1 (the "
-                "routed experts whole on each rank, the other matrices tensor-parallel)"
-            )
         settings = job_config.dmuon
         if not parallel_dims.pp_enabled:  # else checked on the whole model, before the split
             _check_expert_parallel(model, parallel_dims)
