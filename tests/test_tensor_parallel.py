@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
@@ -69,11 +69,11 @@ def tp_worker(rank, world):
 
 
 def _layout_error(mesh) -> str:
-    """A selected matrix replicated over the TP mesh: refused, naming it."""
+    """A selected matrix laid out over a 2-D mesh: refused, naming it."""
     model = _model()
     weight = model.layers[0].up_proj.weight
     model.layers[0].up_proj.weight = torch.nn.Parameter(
-        distribute_tensor(weight.detach(), mesh["tp"], [Replicate()])
+        distribute_tensor(weight.detach(), mesh, [Shard(0), Replicate()])
     )
     try:
         dedicate_params(model, mesh["dp"], proj_predicate)
@@ -107,4 +107,4 @@ def test_tensor_parallel_matches_one_process():
         assert r["stats"]["bytes"].get("tp_all_reduce", 0) == per_matrix * r["owned"] * STEPS
         assert "tp_gather" not in r["stats"]["bytes"]
         assert "layers.0.up_proj.weight" in r["layout_error"]
-        assert "split evenly" in r["layout_error"]
+        assert "over a 1-D mesh" in r["layout_error"]

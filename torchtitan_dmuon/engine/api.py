@@ -251,7 +251,8 @@ def _tensor_parallel_mesh(selected: list[tuple[str, nn.Parameter]]) -> DeviceMes
     """The one 1-D mesh the tensor-parallel (DTensor) matrices are sharded over, or None.
 
     Each such matrix must be a 2-D DTensor split evenly along one of its dims (TorchTitan's
-    Colwise: rows, Rowwise: columns) over that mesh.
+    Colwise: rows, Rowwise: columns) over that mesh, or replicated over a 1-D mesh
+    (TorchTitan's NoParallel: dedicated whole).
 
     Raises:
         ValueError: a layout the engine cannot handle, naming the parameter.
@@ -265,6 +266,8 @@ def _tensor_parallel_mesh(selected: list[tuple[str, nn.Parameter]]) -> DeviceMes
         if not isinstance(p, DTensor):
             continue
         placements, shape = p.placements, tuple(p.shape)
+        if p.ndim == 2 and p.device_mesh.ndim == 1 and isinstance(placements[0], Replicate):
+            continue  # whole on every TP rank (TorchTitan's NoParallel): no TP collective
         ok = (
             p.ndim == 2
             and p.device_mesh.ndim == 1
@@ -459,7 +462,7 @@ def dedicate_params(
         # Every ep rank's experts, as without expert parallelism.
         sum(
             matrix_count(d.shape)
-            * (d.param.device_mesh.size() if is_expert_parallel(d.param) else 1)
+            * (expert_parallel_coordinates(d.param)[1] if is_expert_parallel(d.param) else 1)
             for d in plan.params
         ),
         len(plan.boundaries),

@@ -92,7 +92,8 @@ class DedicatedParam:
 
     Under tensor parallelism the parameter is a DTensor sharded along one of its two
     dims over a 1-D tensor-parallel mesh; the engine moves and stores its local shard,
-    and the owner column's tensor-parallel ranks orthogonalize it together. Under expert
+    and the owner column's tensor-parallel ranks orthogonalize it together. One
+    replicated over that mesh is whole on every TP rank (each steps it alike). Under expert
     parallelism it is a stack sharded along dim 0 over the ``ep`` mesh, always dedicated
     in pieces of this rank's local experts.
 
@@ -139,7 +140,9 @@ class DedicatedParam:
         if is_expert_parallel(self.param):  # split only under expert tensor parallelism
             mesh_dims = self.param.device_mesh.ndim
             return self.param.placements[1].dim - 3 if mesh_dims == 2 else None
-        return self.param.placements[0].dim - self.param.ndim
+        placement = self.param.placements[0]
+        # Replicated over the tensor-parallel ranks (TorchTitan's NoParallel): whole.
+        return placement.dim - self.param.ndim if isinstance(placement, Shard) else None
 
     @property
     def global_experts(self) -> tuple[int, int] | None:

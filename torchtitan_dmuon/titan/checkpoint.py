@@ -74,7 +74,7 @@ def as_saved(dedication: Dedication, entry: DedicatedParam, local: torch.Tensor)
     """What a checkpoint holds for a dedicated matrix's value or state (``local``, this
     owner's tensor; DCP loads into it in place through what this returns):
 
-    * a whole matrix: ``local`` itself;
+    * a whole matrix (also one replicated over the tensor-parallel ranks): ``local``;
     * under tensor parallelism: this rank's shard as a DTensor laid out like the
       parameter (DCP reassembles and reshards it);
     * a piece of a split stack: a ``ShardedTensor`` of the stack's shape whose local shard
@@ -95,8 +95,8 @@ def as_saved(dedication: Dedication, entry: DedicatedParam, local: torch.Tensor)
         return ShardedTensor._init_from_local_shards_and_global_metadata(
             [Shard(local, mine)], metadata
         )
-    if not isinstance(param, DTensor) or isinstance(local, DTensor):
-        return local
+    if not isinstance(param, DTensor) or isinstance(local, DTensor) or entry.split_dim is None:
+        return local  # whole (a replicated DTensor's local tensor is the whole matrix)
     return DTensor.from_local(
         local, param.device_mesh, param.placements, run_check=False,
         shape=param.shape, stride=param.stride(),
