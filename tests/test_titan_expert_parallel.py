@@ -1,4 +1,4 @@
-"""Expert parallelism with DMuon through ./run_train.sh on 4 CPU ranks.
+"""Expert parallelism with DMuon through ./run_train.sh on 2 and 4 CPU ranks.
 
 Routed experts sharded over the ``ep`` mesh are dedicated over the ranks that hold the
 same experts (``efsdp``, and the replicate group under HSDP), the dense matrices over the
@@ -24,6 +24,8 @@ HSDP_2X2 = [
     "--parallelism.data_parallel_shard_degree", "2",
     "--dmuon.replicate_async",
 ]  # fmt: skip
+TP2 = ["--parallelism.tensor_parallel_degree", "2"]
+ETP2 = [*TP2, "--parallelism.expert_tensor_parallel_degree", "2"]
 BALANCE = re.compile(
     r"per-rank Newton-Schulz cost max/mean (\S+), held dedicated bytes "
     r"\(values \+ masters \+ momentum\) max/mean (\S+)"
@@ -63,10 +65,6 @@ def test_llama4_expert_parallel_follows_ep1(tmp_path_factory):
         assert "dedicate_params: 51 parameters (114 matrices)" in run.output
     ns_cost, held = map(float, BALANCE.search(ep2.output).groups())
     assert ns_cost <= 1.10 and held <= 1.25, (ns_cost, held)
-
-
-TP2 = ["--parallelism.tensor_parallel_degree", "2"]
-ETP2 = [*TP2, "--parallelism.expert_tensor_parallel_degree", "2"]
 
 
 def _fsdp2_and_tensor_parallel(factory: pytest.TempPathFactory):
