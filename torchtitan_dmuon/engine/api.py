@@ -300,13 +300,13 @@ def _etp_mesh(name: str, stack: DTensor) -> DeviceMesh:
     return mesh[mesh.mesh_dim_names[1]]
 
 
-def _expert_parallel_mesh(
+def _check_expert_parallel(
     selected: list[tuple[str, nn.Parameter]],
     mesh: DeviceMesh,
     expert_mesh: DeviceMesh | None,
     tp_mesh: DeviceMesh | None,
-) -> DeviceMesh | None:
-    """The ``ep`` mesh the selected expert stacks are sharded over, or None.
+) -> bool:
+    """Whether expert-parallel stacks are selected, once their layout is checked.
 
     Raises:
         ValueError: expert-parallel stacks without ``expert_mesh``, over different
@@ -316,7 +316,7 @@ def _expert_parallel_mesh(
     """
     stacks = [(name, p) for name, p in selected if is_expert_parallel(p)]
     if not stacks:
-        return None
+        return False
     if expert_mesh is None:
         raise ValueError(
             f"{stacks[0][0]!r} is sharded over an expert-parallel mesh: pass expert_mesh "
@@ -327,7 +327,6 @@ def _expert_parallel_mesh(
         raise ValueError(
             f"the expert stacks are sharded over different meshes: {sorted(ep_meshes)}"
         )
-    ep_mesh = stacks[0][1].device_mesh
     _, ep_size, _, etp_size = expert_parallel_coordinates(stacks[0][1])
     for name, p in stacks:
         if p.shape[0] % ep_size != 0:
@@ -342,7 +341,7 @@ def _expert_parallel_mesh(
             f"the etp mesh ({etp_size} ranks) must make up mesh ({mesh.size()} ranks) x "
             f"the tensor-parallel mesh ({tp_size} ranks)"
         )
-    return ep_mesh
+    return True
 
 
 def _validate_meshes(
@@ -439,7 +438,7 @@ def dedicate_params(
         raise ValueError("predicate selected no trainable 2-D or 3-D parameter")
     tp_mesh = _tensor_parallel_mesh(selected)
     expert_columns = None
-    if _expert_parallel_mesh(selected, mesh, expert_mesh, tp_mesh) is not None:
+    if _check_expert_parallel(selected, mesh, expert_mesh, tp_mesh):
         # Which experts' column each shard-group rank is (the two domains are balanced
         # together): the one collective of planning, after every check.
         device = _mesh_device(mesh)

@@ -25,12 +25,12 @@ from torch.profiler import record_function
 from torchtitan_dmuon.engine import comm, patches
 from torchtitan_dmuon.engine.hooks import HookDriver
 from torchtitan_dmuon.engine.others import OtherParams
+from torchtitan_dmuon.engine.partition import max_over_mean
 from torchtitan_dmuon.engine.plan import (
     DedicatedParam,
     Plan,
     UnitPlan,
     expert_parallel_coordinates,
-    local_tensor,
 )
 from torchtitan_dmuon.engine.replicas import Replicas
 from torchtitan_dmuon.engine.settings import DedicationSettings
@@ -415,7 +415,7 @@ class Dedication:
                 split = d.split_dim  # the dim expert tensor parallelism splits, or None
                 for ep_rank in range(self.ep_size):
                     for etp_rank in range(self.etp_size):
-                        offsets = [start + ep_rank * local_tensor(d.param).shape[0], 0, 0]
+                        offsets = [d.experts_of(ep_rank)[0], 0, 0]
                         if split is not None:
                             offsets[split] = etp_rank * sizes[split]
                         owner = self.expert_owner_ranks[ep_rank, slot, etp_rank]
@@ -490,7 +490,7 @@ class Dedication:
             "(values + masters + momentum) max/mean %.3f (max %.1f MiB), %d stacks split "
             "into %d pieces",
             self.balance(),
-            max(held) / (sum(held) / len(held)),
+            max_over_mean(held),
             max(held) / 2**20,
             len({d.name for d in self.plan.params if d.experts is not None}),
             sum(1 for d in self.plan.params if d.experts is not None),

@@ -14,7 +14,14 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["PartitionItem", "assign_owners", "expert_ranges", "load_balance"]
+__all__ = [
+    "PartitionItem",
+    "assign_owners",
+    "expert_ranges",
+    "load_balance",
+    "max_over_mean",
+    "rank_loads",
+]
 
 
 @dataclass(frozen=True)
@@ -89,10 +96,20 @@ def assign_owners(
     return owners
 
 
-def load_balance(items: Sequence[PartitionItem], owners: Sequence[int], num_ranks: int) -> float:
-    """Max over mean of the per-rank cost (1.0 is perfect balance)."""
+def rank_loads(items: Sequence[PartitionItem], owners: Sequence[int], num_ranks: int) -> list[int]:
+    """The cost each rank owns."""
     load = [0] * num_ranks
     for item, owner in zip(items, owners, strict=True):
         load[owner] += item.cost
-    mean = sum(load) / num_ranks
-    return max(load) / mean if mean > 0 else 1.0
+    return load
+
+
+def max_over_mean(values: Sequence[float]) -> float:
+    """Max over mean of per-rank figures (1.0 is perfect balance; 1.0 when all are 0)."""
+    mean = sum(values) / len(values)
+    return max(values) / mean if mean > 0 else 1.0
+
+
+def load_balance(items: Sequence[PartitionItem], owners: Sequence[int], num_ranks: int) -> float:
+    """Max over mean of the per-rank cost (1.0 is perfect balance)."""
+    return max_over_mean(rank_loads(items, owners, num_ranks))

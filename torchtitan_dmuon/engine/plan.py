@@ -35,6 +35,8 @@ from torchtitan_dmuon.engine.partition import (
     PartitionItem,
     assign_owners,
     expert_ranges,
+    max_over_mean,
+    rank_loads,
 )
 from torchtitan_dmuon.optim.newton_schulz import ns_flops
 
@@ -144,15 +146,19 @@ class DedicatedParam:
         # Replicated over the tensor-parallel ranks (TorchTitan's NoParallel): whole.
         return placement.dim - self.param.ndim if isinstance(placement, Shard) else None
 
-    @property
-    def global_experts(self) -> tuple[int, int] | None:
-        """A piece's ``[start, stop)`` in the whole stack (under expert parallelism, after
-        the experts of the lower ``ep`` ranks)."""
-        if self.experts is None or not is_expert_parallel(self.param):
-            return self.experts
-        ep_rank = expert_parallel_coordinates(self.param)[0]
+    def experts_of(self, ep_rank: int) -> tuple[int, int]:
+        """A piece's ``[start, stop)`` in the whole stack as ``ep_rank`` holds it (after
+        the experts of the lower ``ep`` ranks; ``experts`` itself without expert
+        parallelism)."""
         first = ep_rank * local_tensor(self.param).shape[0]
         return self.experts[0] + first, self.experts[1] + first
+
+    @property
+    def global_experts(self) -> tuple[int, int] | None:
+        """This rank's piece's ``[start, stop)`` in the whole stack."""
+        if self.experts is None or not is_expert_parallel(self.param):
+            return self.experts
+        return self.experts_of(expert_parallel_coordinates(self.param)[0])
 
 
 @dataclass(eq=False)
@@ -296,9 +302,7 @@ class Plan:
 
     def balance(self, domain: int | None = None) -> float:
         """Max over mean Newton-Schulz load over all ranks (1.0 is perfect)."""
-        load = self.ns_loads(domain)
-        mean = sum(load) / len(load)
-        return max(load) / mean if mean > 0 else 1.0
+        return max_over_mean(self.ns_loads(domain))
 
     def held_bytes(self, value_bytes: int, state_bytes: int) -> list[int]:
         """Bytes each data-parallel rank (slot order) keeps between steps for dedicated
@@ -397,9 +401,7 @@ def build_plan(
     initial_load = None
     if len(domains) == 2:
         slots[1] = assign_owners(items[1], domains[1].slots)
-        expert_load = [0] * domains[1].slots
-        for item, slot in zip(items[1], slots[1], strict=True):
-            expert_load[slot] += item.cost
+        expert_load = rank_loads(items[1], slots[1], domains[1].slots)
         initial_load = [
             expert_load[(s // shard_size) * expert_shard_size + expert_columns[s % shard_size]]
             for s in range(domains[0].slots)
