@@ -31,6 +31,7 @@ from torchtitan_dmuon.engine.plan import (
     Plan,
     UnitPlan,
     expert_parallel_coordinates,
+    is_expert_parallel,
 )
 from torchtitan_dmuon.engine.replicas import Replicas
 from torchtitan_dmuon.engine.settings import DedicationSettings
@@ -187,6 +188,11 @@ class Dedication:
         for d in self.plan.params:
             d.param = self.model.get_parameter(d.name)
         self._split_dims = {id(d.param): d.split_dim for d in self.plan.params}
+        self._per_tp_rank = {
+            id(d.param)
+            for d in self.plan.params
+            if d.split_dim is not None or is_expert_parallel(d.param)
+        }
         self.driver.bind_params()
 
     def lazy_init(self) -> None:
@@ -426,6 +432,11 @@ class Dedication:
     def split_dim_of(self, param: nn.Parameter) -> int | None:
         """The dim a tensor-parallel dedicated matrix is split along, else None."""
         return self._split_dims.get(id(param))
+
+    def differs_per_tp_rank(self, param: nn.Parameter) -> bool:
+        """Whether each tensor-parallel rank owns other values of ``param``: a
+        tensor-parallel shard, or expert-parallel experts (ep may borrow the TP ranks)."""
+        return id(param) in self._per_tp_rank
 
     def gather_shards(self, shard: torch.Tensor) -> list[torch.Tensor]:
         """Every tensor-parallel rank's shard (same shapes), in rank order."""

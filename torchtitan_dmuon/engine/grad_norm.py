@@ -14,7 +14,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torchtitan_dmuon.engine.dedication import get_dedication
-from torchtitan_dmuon.engine.plan import is_expert_parallel
 
 __all__ = ["clip_grad_norm_"]
 
@@ -60,8 +59,7 @@ def clip_grad_norm_(
     owned, owned_per_tp_rank = [], []
     for d in dedications:
         for param, _, grad in d.owned_grads():
-            per_tp_rank = d.split_dim_of(param) is not None or is_expert_parallel(param)
-            (owned_per_tp_rank if per_tp_rank else owned).append(grad)
+            (owned_per_tp_rank if d.differs_per_tp_rank(param) else owned).append(grad)
     sharded, replicated = [], []
     for p in (p for part in parts for p in part.parameters()):
         if p.grad is None:
