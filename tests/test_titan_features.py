@@ -380,27 +380,3 @@ def test_float8_fsdp_all_gather(tmp_path, tmp_path_factory):
     assert [float8.losses[s] for s in steps] == pytest.approx(
         [plain.losses[s] for s in steps], rel=2e-2
     )
-
-
-def test_expert_parallel_trains_on_cpu_with_adamw(tmp_path):
-    """Expert parallelism's token permutation runs on CPU (TorchTitan's CPU implementation
-    instead of its Triton kernel): FSDP2 + AdamW on the llama4 debug MoE with EP 2 over 4
-    ranks follows the EP 1 run (same seed, data and global batch). The baseline DMuon's
-    expert parallelism has to match."""
-    adamw = ["--optimizer.name", "AdamW", "--training.steps", "4", "--metrics.log_freq", "1"]
-    ep1, ep2 = run_case(
-        OverrideDefinitions(
-            [
-                [*adamw, "--parallelism.expert_parallel_degree", "1"],
-                [*adamw, "--parallelism.expert_parallel_degree", "2"],
-            ],
-            "llama4 debug MoE, FSDP2 + AdamW, EP 1 and EP 2",
-            "expert_parallel_adamw",
-            ngpu=4,
-            config_file="train_configs/llama4_debug_moe.toml",
-        ),
-        tmp_path,
-    )
-    steps = range(1, 5)
-    assert [ep2.losses[s] for s in steps] == pytest.approx([ep1.losses[s] for s in steps], rel=1e-4)
-    assert ep1.losses[4] < ep1.losses[1]

@@ -62,6 +62,11 @@ def run_train(args: list[str], ngpu: int, dump: Path, config_file: str, log_rank
     # compiled code, with its tensor-parallel group's name baked in, to the ranks of
     # another group ("Could not resolve the process group registered under the name").
     env["TORCHINDUCTOR_CACHE_DIR"] = str(dump) + "_inductor"
+    # Each rank's output in files of its own (torchrun's --log-dir), with the Python stack
+    # of a rank that dies of a signal: the console shows LOG_RANK's output only.
+    logs = Path(str(dump) + "_logs")
+    env["PET_LOG_DIR"] = str(logs)
+    env["PYTHONFAULTHANDLER"] = "1"
     cmd = ["./run_train.sh", "--job.config_file", config_file, "--job.dump_folder", str(dump)]
     proc = subprocess.run(
         [*cmd, *[a.replace("{dump}", str(dump.parent)) for a in args]],
@@ -73,7 +78,19 @@ def run_train(args: list[str], ngpu: int, dump: Path, config_file: str, log_rank
     )
     output = proc.stdout + proc.stderr
     losses = {int(s): float(v) for s, v in LOSS.findall(output)}
+    if proc.returncode != 0:
+        output += _fatal_errors(logs)
     return Run(proc.returncode, output, losses, dump)
+
+
+def _fatal_errors(logs: Path) -> str:
+    """What faulthandler wrote for the ranks that died of a signal (their stacks)."""
+    found = []
+    for path in sorted(logs.rglob("stderr.log")):
+        text = path.read_text(errors="replace")
+        if "Fatal Python error" in text:
+            found.append(f"\n--- {path}:\n{text[text.index('Fatal Python error') :][:3000]}")
+    return "".join(found)
 
 
 _SHARED_RUNS: dict[tuple, Run] = {}
@@ -155,12 +172,6 @@ CASES = {
         "fsdp_z3_z2",
         shared=(0, 1),
     ),
-    "hsdp_sync_async": OverrideDefinitions(
-        [SHORT + HSDP, [*SHORT, *HSDP, "--dmuon.replicate_async"]],
-        "HSDP 2x2, sync and async replicate broadcast: bit-identical losses",
-        "hsdp_sync_async",
-        ngpu=4,
-    ),
     "checkpoint_resume": OverrideDefinitions(
         [PLAIN, SHORT + RESUME],
         "Checkpoint at step 3, resume on the same topology: bit-exact losses",
@@ -168,14 +179,10 @@ CASES = {
         shared=(0,),
     ),
     "checkpoint_reshard": OverrideDefinitions(
-        [
-            SHORT + CHECKPOINT,
-            SHORT + RESUME + HSDP,
-            [*SHORT, *RESUME, "--checkpoint.exclude_from_loading", "dataloader"],
-        ],
-        "Saved by 4 ranks FSDP-Z3, loaded by 2x2 HSDP and by 2 ranks FSDP",
+        [SHORT + CHECKPOINT, SHORT + RESUME + HSDP],
+        "Saved by 4 ranks FSDP-Z3, loaded by 2x2 HSDP",
         "checkpoint_reshard",
-        ngpu=[4, 4, 2],
+        ngpu=4,
     ),
     "compile": OverrideDefinitions(
         [PLAIN, [*SHORT, "--compile.enable", "--compile.components", "model"]],
@@ -234,19 +241,13 @@ def test_integration(name, tmp_path, tmp_path_factory):
         assert _values(runs[0], steps) == _values(runs[1], steps)
         # TorchTitan's comm.train_timeout_seconds (100) reaches the engine's groups too.
         assert "the engine's process groups now time out after 0:01:40" in runs[0].output
-    elif name == "hsdp_sync_async":
-        assert _values(runs[0], steps) == _values(runs[1], steps)
-        assert "dmuon:" in runs[1].output
     elif name == "checkpoint_resume":
         assert sorted(runs[1].losses) == [4, 5, 6]
         assert _values(runs[1], [4, 5, 6]) == _values(runs[0], [4, 5, 6])
     elif name == "checkpoint_reshard":
-        saved, hsdp, two_ranks = runs
+        saved, hsdp = runs
         # 2x2 HSDP reads the same data as the 4 saving ranks: the curve continues.
         assert _values(hsdp, [4, 5, 6]) == pytest.approx(_values(saved, [4, 5, 6]), rel=1e-4)
-        # 2 ranks restart the data stream, but from the trained weights, not from scratch.
-        assert sorted(two_ranks.losses) == [4, 5, 6]
-        assert two_ranks.losses[4] < saved.losses[1] - 0.1
     elif name == "compile":
         assert _values(runs[1], steps) == pytest.approx(_values(runs[0], steps), rel=1e-3)
     elif name == "float8":

@@ -138,12 +138,19 @@ def seed_checkpoint(factory: pytest.TempPathFactory, config_file: str = CONFIG) 
     return run.dump / "checkpoint" / "step-0"
 
 
+# The runs compared from a seed checkpoint: their steps, and the step whose checkpoint
+# the resumed runs start from.
+SEED_STEPS = range(1, 7)
+SAVED_AT = 3
+AFTER_SAVE = range(SAVED_AT + 1, SEED_STEPS[-1] + 1)
+
+
 def from_seed(factory: pytest.TempPathFactory, config_file: str = CONFIG) -> list[str]:
-    """The arguments of the 10-step runs compared from the seed checkpoint: fp32
-    Newton-Schulz, the loss logged every step, a checkpoint every 5 steps."""
+    """The arguments of the runs compared from the seed checkpoint (``SEED_STEPS``): fp32
+    Newton-Schulz, the loss logged every step, a checkpoint every ``SAVED_AT`` steps."""
     return [
-        "--training.steps", "10", "--metrics.log_freq", "1", *FP32_NS,
-        "--checkpoint.enable", "--checkpoint.interval", "5",
+        "--training.steps", str(SEED_STEPS[-1]), "--metrics.log_freq", "1", *FP32_NS,
+        "--checkpoint.enable", "--checkpoint.interval", str(SAVED_AT),
         "--checkpoint.initial_load_path", str(seed_checkpoint(factory, config_file)),
         "--checkpoint.initial_load_model_only",
     ]  # fmt: skip
@@ -160,7 +167,7 @@ def resume_from(checkpoint: Path, common: list[str]) -> list[str]:
 
 
 def data_parallel_reference(factory: pytest.TempPathFactory):
-    """DMuon FSDP 2 without PP or TP (2 ranks) over 10 steps from the seed checkpoint: the
+    """DMuon FSDP 2 without PP or TP (2 ranks) over ``SEED_STEPS`` from the seed checkpoint: the
     reference of the PP and the TP equality tests, launched once per session."""
     return shared_run([*from_seed(factory), *DP2], 2, factory)
 
@@ -168,7 +175,7 @@ def data_parallel_reference(factory: pytest.TempPathFactory):
 def test_pipeline_equals_data_parallel_and_checkpoints_cross_pp(tmp_path, tmp_path_factory):
     """DMuon PP 2 x DP 2 (GPipe and 1F1B with FSDP, ZBV zero bubble with DDP-style data
     parallelism; 4 ranks) equals DMuon PP 1 x DP 2 (2 ranks, same data) within 1e-4 over
-    10 steps; a checkpoint saved at PP 2 resumes bit-exact at PP 2
+    6 steps; a checkpoint saved at PP 2 resumes bit-exact at PP 2
     and continues within 1e-4 at PP 1.
 
     The 1F1B run is TorchTitan's pp_dp_1f1b_layers_per_stage case (4 layers per stage:
@@ -190,7 +197,7 @@ def test_pipeline_equals_data_parallel_and_checkpoints_cross_pp(tmp_path, tmp_pa
     # wrong gradients from torch's zero-bubble weight pass; TorchTitan refuses its DDP).
     replicate = ["--parallelism.data_parallel_replicate_degree", "2", *DP1]
     zbv = run_train([*common, *pp(2, "ZBVZeroBubble", *replicate)], 4, tmp_path / "zbv", config)
-    steps = list(range(1, 11))
+    steps = list(SEED_STEPS)
     for run in (reference, gpipe, one_f_one_b, zbv):
         assert run.returncode == 0, run.output[-3000:]
         assert sorted(run.losses) == steps and all(map(math.isfinite, run.losses.values()))
@@ -198,21 +205,21 @@ def test_pipeline_equals_data_parallel_and_checkpoints_cross_pp(tmp_path, tmp_pa
     assert [gpipe.losses[s] for s in steps] == pytest.approx(expected, rel=1e-4)
     assert [one_f_one_b.losses[s] for s in steps] == pytest.approx(expected, rel=1e-4)
     assert [zbv.losses[s] for s in steps] == pytest.approx(expected, rel=1e-4)
-    assert one_f_one_b.losses[10] < one_f_one_b.losses[1]
+    assert one_f_one_b.losses[steps[-1]] < one_f_one_b.losses[1]
     assert "dmuon: optimizer step" in one_f_one_b.output
     # Z2 by default under PP: one broadcast per unit per step.
     assert re.search(r"dedicate_params: .* Z2", one_f_one_b.output), one_f_one_b.output[-3000:]
     norms = [float(n) for n in GRAD_NORM.findall(reference.output)]
-    assert len(norms) == 10
+    assert len(norms) == len(steps)
     assert [float(n) for n in GRAD_NORM.findall(gpipe.output)] == pytest.approx(norms, rel=1e-3)
 
-    saved = tmp_path / "1f1b" / "checkpoint" / "step-5"
+    saved = tmp_path / "1f1b" / "checkpoint" / f"step-{SAVED_AT}"
     assert saved.is_dir()
     resume = resume_from(saved, common)
     # Resumed with TorchTitan's default split (the same two stages).
     same = run_train([*resume, *pp(2, "1F1B", *DP2)], 4, tmp_path / "resume_pp2", config, 2)
     flat = run_train([*resume, *DP2], 2, tmp_path / "resume_pp1", config)
-    later = list(range(6, 11))
+    later = list(AFTER_SAVE)
     for run in (same, flat):
         assert run.returncode == 0, run.output[-3000:]
         assert sorted(run.losses) == later, run.output[-3000:]

@@ -29,6 +29,7 @@ from torchtitan_dmuon.engine.plan import (
     BoundaryPredicate,
     build_plan,
     expert_parallel_coordinates,
+    expert_tensor_parallel_dim,
     is_expert_parallel,
 )
 from torchtitan_dmuon.engine.selection import Predicate, select_matrices
@@ -65,7 +66,8 @@ def get_full_param(model: nn.Module, name: str) -> torch.Tensor:
     pieces = [_read_entry(dedication, unit, d) for unit, d in found]
     value = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
     param = found[0][1].param
-    if is_expert_parallel(param):  # every ep rank's local experts, in order
+    if is_expert_parallel(param) and expert_parallel_coordinates(param)[1] > 1:
+        # Every ep rank's local experts, in order.
         placements = [Shard(0)] + [Replicate()] * (param.device_mesh.ndim - 1)
         value = DTensor.from_local(value, param.device_mesh, placements, run_check=False)
         value = value.full_tensor()
@@ -260,7 +262,7 @@ def _tensor_parallel_mesh(selected: list[tuple[str, nn.Parameter]]) -> DeviceMes
     meshes = []
     for name, p in selected:
         if is_expert_parallel(p):
-            if p.device_mesh.ndim == 2:  # expert tensor parallelism: its etp dim
+            if expert_tensor_parallel_dim(p) is not None:  # split over the TP ranks too
                 meshes.append((name, _etp_mesh(name, p)))
             continue
         if not isinstance(p, DTensor):
@@ -290,23 +292,27 @@ def _tensor_parallel_mesh(selected: list[tuple[str, nn.Parameter]]) -> DeviceMes
 
 
 def _etp_mesh(name: str, stack: DTensor) -> DeviceMesh:
-    mesh = stack.device_mesh
-    split = stack.placements[1].dim
-    if mesh.mesh_dim_names is None or stack.shape[split] % mesh.size(1) != 0:
+    """The mesh an expert stack's matrices are split over (a dim of its mesh)."""
+    mesh, etp = stack.device_mesh, expert_tensor_parallel_dim(stack)
+    split = stack.placements[etp].dim
+    if stack.shape[split] % mesh.size(etp) != 0 or (mesh.ndim > 1 and not mesh.mesh_dim_names):
         raise ValueError(
             f"{name!r}: an expert-tensor-parallel stack must be split evenly over a named "
             f"mesh dim; got shape {tuple(stack.shape)} over mesh dims {mesh.mesh_dim_names}"
         )
-    return mesh[mesh.mesh_dim_names[1]]
+    return mesh if mesh.ndim == 1 else mesh[mesh.mesh_dim_names[etp]]
 
 
-def _check_expert_parallel(
+def _expert_domain_mesh(
     selected: list[tuple[str, nn.Parameter]],
     mesh: DeviceMesh,
     expert_mesh: DeviceMesh | None,
     tp_mesh: DeviceMesh | None,
-) -> bool:
-    """Whether expert-parallel stacks are selected, once their layout is checked.
+) -> DeviceMesh | None:
+    """The shard mesh of the experts' domain, once the stacks' layout is checked: the
+    ranks that hold the same experts (``expert_mesh``; ``mesh`` itself when the stacks
+    are split over the TP ranks only, every rank holding every expert), or None when no
+    expert stack is selected.
 
     Raises:
         ValueError: expert-parallel stacks without ``expert_mesh``, over different
@@ -316,7 +322,10 @@ def _check_expert_parallel(
     """
     stacks = [(name, p) for name, p in selected if is_expert_parallel(p)]
     if not stacks:
-        return False
+        return None
+    _, ep_size, _, etp_size = expert_parallel_coordinates(stacks[0][1])
+    if expert_mesh is None and ep_size == 1:
+        expert_mesh = mesh
     if expert_mesh is None:
         raise ValueError(
             f"{stacks[0][0]!r} is sharded over an expert-parallel mesh: pass expert_mesh "
@@ -327,7 +336,6 @@ def _check_expert_parallel(
         raise ValueError(
             f"the expert stacks are sharded over different meshes: {sorted(ep_meshes)}"
         )
-    _, ep_size, _, etp_size = expert_parallel_coordinates(stacks[0][1])
     for name, p in stacks:
         if p.shape[0] % ep_size != 0:
             raise ValueError(
@@ -341,7 +349,7 @@ def _check_expert_parallel(
             f"the etp mesh ({etp_size} ranks) must make up mesh ({mesh.size()} ranks) x "
             f"the tensor-parallel mesh ({tp_size} ranks)"
         )
-    return True
+    return expert_mesh
 
 
 def _validate_meshes(
@@ -415,6 +423,8 @@ def dedicate_params(
             same experts (TorchTitan's ``efsdp``; ``mesh`` is it times the ``ep`` mesh).
             The selected stacks sharded along dim 0 over the ``ep`` mesh are dedicated
             over it (and ``replicate_mesh``), their gradients reduced over it only.
+            Stacks split over the tensor-parallel ranks alone (TorchTitan's TP of
+            routed experts without expert parallelism) default it to ``mesh``.
 
     Returns:
         The :class:`Dedication` (also reachable through :func:`get_dedication`).
@@ -438,7 +448,8 @@ def dedicate_params(
         raise ValueError("predicate selected no trainable 2-D or 3-D parameter")
     tp_mesh = _tensor_parallel_mesh(selected)
     expert_columns = None
-    if _check_expert_parallel(selected, mesh, expert_mesh, tp_mesh):
+    expert_mesh = _expert_domain_mesh(selected, mesh, expert_mesh, tp_mesh)
+    if expert_mesh is not None:
         # Which experts' column each shard-group rank is (the two domains are balanced
         # together): the one collective of planning, after every check.
         device = _mesh_device(mesh)

@@ -17,7 +17,10 @@ the whole data-parallel layout (domain 0), and each rank's local experts (a stac
 along dim 0 over the ``ep`` mesh) over the ranks that hold the same experts (domain 1: the
 ``efsdp`` group, and the replicate group under HSDP). Every ``ep`` group has the same
 expert layout, so one plan describes them all; the owners of both domains are balanced
-together, per data-parallel rank.
+together, per data-parallel rank. Stacks split over the tensor-parallel ranks (expert
+tensor parallelism, or TP without expert parallelism) are dedicated the same way, each
+piece in TP shards; without expert parallelism the experts' domain spans the dense one's
+ranks.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ __all__ = [
     "build_plan",
     "default_boundary_modules",
     "expert_parallel_coordinates",
+    "expert_tensor_parallel_dim",
     "is_expert_parallel",
     "local_tensor",
 ]
@@ -62,30 +66,51 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def is_expert_parallel(tensor: torch.Tensor) -> bool:
-    """A stack of experts sharded along dim 0 over the first dim of its mesh (``ep``), as
-    TorchTitan's ``ExpertParallel`` lays out routed experts (each rank holds ``experts /
-    ep`` of them); under expert tensor parallelism each matrix is split too, along its
-    rows or columns over a second mesh dim (``etp``)."""
+def _expert_mesh_dims(tensor: torch.Tensor) -> tuple[int | None, int | None] | None:
+    """``(ep, etp)``: the mesh dims of a stack of routed experts laid out as TorchTitan's
+    MoE styles do (None where it has no such dim), or None for any other tensor.
+
+    ``ExpertParallel`` shards the experts (dim 0) over ``ep``; expert tensor parallelism
+    also splits each expert's matrix along its rows or columns over ``etp``; without
+    expert parallelism TorchTitan's ``TensorParallel`` splits them over the TP mesh alone
+    (every rank holds every expert, in TP shards).
+    """
     if not isinstance(tensor, DTensor) or tensor.ndim != 3:
-        return False
+        return None
     placements = tuple(tensor.placements)
-    if tensor.device_mesh.ndim == 1:
-        return placements == (Shard(0),)
-    return (
-        tensor.device_mesh.ndim == 2
-        and placements[0] == Shard(0)
-        and placements[1] in (Shard(1), Shard(2))
-    )
+    split = (Shard(1), Shard(2))
+    if placements == (Shard(0),):
+        return 0, None
+    if len(placements) == 1 and placements[0] in split:
+        return None, 0
+    if len(placements) == 2 and placements[0] == Shard(0) and placements[1] in split:
+        return 0, 1
+    return None
+
+
+def is_expert_parallel(tensor: torch.Tensor) -> bool:
+    """A stack of routed experts sharded over an ``ep`` mesh, an ``etp`` mesh or both (see
+    :func:`expert_parallel_coordinates`): dedicated in pieces of this rank's local
+    experts over the ranks that hold the same experts."""
+    return _expert_mesh_dims(tensor) is not None
 
 
 def expert_parallel_coordinates(tensor: DTensor) -> tuple[int, int, int, int]:
-    """``(ep rank, ep size, etp rank, etp size)`` of an expert-parallel stack (etp: 0, 1
-    without expert tensor parallelism)."""
+    """``(ep rank, ep size, etp rank, etp size)`` of an expert stack (0, 1 for a mesh dim
+    it does not have: ep without expert parallelism, etp without tensor parallelism)."""
     mesh = tensor.device_mesh
-    if mesh.ndim == 1:
-        return mesh.get_local_rank(), mesh.size(), 0, 1
-    return mesh.get_local_rank(0), mesh.size(0), mesh.get_local_rank(1), mesh.size(1)
+
+    def coordinates(dim: int | None) -> tuple[int, int]:
+        return (0, 1) if dim is None else (mesh.get_local_rank(dim), mesh.size(dim))
+
+    ep, etp = _expert_mesh_dims(tensor)
+    return (*coordinates(ep), *coordinates(etp))
+
+
+def expert_tensor_parallel_dim(tensor: DTensor) -> int | None:
+    """The mesh dim an expert stack's matrices are split over (``etp``, or the TP mesh
+    without expert parallelism), or None when they are whole."""
+    return _expert_mesh_dims(tensor)[1]
 
 
 @dataclass(eq=False)
@@ -139,9 +164,9 @@ class DedicatedParam:
         """Under tensor parallelism, the dim it is split along (-2 rows, -1 columns)."""
         if not isinstance(self.param, DTensor):
             return None
-        if is_expert_parallel(self.param):  # split only under expert tensor parallelism
-            mesh_dims = self.param.device_mesh.ndim
-            return self.param.placements[1].dim - 3 if mesh_dims == 2 else None
+        if is_expert_parallel(self.param):  # split only under (expert) tensor parallelism
+            etp = expert_tensor_parallel_dim(self.param)
+            return None if etp is None else self.param.placements[etp].dim - 3
         placement = self.param.placements[0]
         # Replicated over the tensor-parallel ranks (TorchTitan's NoParallel): whole.
         return placement.dim - self.param.ndim if isinstance(placement, Shard) else None
