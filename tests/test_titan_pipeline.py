@@ -145,12 +145,15 @@ SAVED_AT = 3
 AFTER_SAVE = range(SAVED_AT + 1, SEED_STEPS[-1] + 1)
 
 
-def from_seed(factory: pytest.TempPathFactory, config_file: str = CONFIG) -> list[str]:
-    """The arguments of the runs compared from the seed checkpoint (``SEED_STEPS``): fp32
-    Newton-Schulz, the loss logged every step, a checkpoint every ``SAVED_AT`` steps."""
+def from_seed(
+    factory: pytest.TempPathFactory, config_file: str = CONFIG, steps: int = SEED_STEPS[-1]
+) -> list[str]:
+    """The arguments of the runs compared from the seed checkpoint (``steps`` of them):
+    fp32 Newton-Schulz, the loss logged every step, a checkpoint every ``steps // 2``
+    steps (``SAVED_AT`` by default)."""
     return [
-        "--training.steps", str(SEED_STEPS[-1]), "--metrics.log_freq", "1", *FP32_NS,
-        "--checkpoint.enable", "--checkpoint.interval", str(SAVED_AT),
+        "--training.steps", str(steps), "--metrics.log_freq", "1", *FP32_NS,
+        "--checkpoint.enable", "--checkpoint.interval", str(steps // 2),
         "--checkpoint.initial_load_path", str(seed_checkpoint(factory, config_file)),
         "--checkpoint.initial_load_model_only",
     ]  # fmt: skip
