@@ -56,6 +56,7 @@ def test_bit_equal_to_torch_muon_and_adamw(adjust_lr_fn, nesterov, weight_decay)
         **common,
         **as_muon_adamw_kwargs(ADAMW_KW),
         ns_coefficients="quintic",
+        ns_dtype=torch.bfloat16,  # torch.optim.Muon's
         predicate=proj_predicate,
     )
     ref = _reference_optimizers(
@@ -82,6 +83,7 @@ def test_stacked_experts_step_like_one_torch_muon_matrix_per_expert(adjust_lr_fn
         **common,
         **as_muon_adamw_kwargs(ADAMW_KW),
         adjust_lr_fn=adjust_lr_fn,
+        ns_dtype=torch.bfloat16,  # torch.optim.Muon's
         predicate=proj_or_experts_predicate,
     )
     ref = _reference_optimizers(

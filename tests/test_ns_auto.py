@@ -1,22 +1,36 @@
-"""The "auto" Newton-Schulz backend: measured choice per shape, dtype and device."""
+"""``ns_backend="auto"`` and ``ns_dtype="auto"``: measured choices, cached on disk, agreed
+by every rank of a job."""
 
 import logging
+import os
 
 import pytest
 import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from torchtitan_dmuon.optim import ns_backends
+from tests.dist import run_distributed
+from tests.models import TokenModel, batch, loss_fn, make_model, proj_predicate
+from torchtitan_dmuon import Muon, dedicate_params
+from torchtitan_dmuon.engine import agreement
+from torchtitan_dmuon.optim import ns_backends, ns_cache, ns_dtype
 from torchtitan_dmuon.optim.newton_schulz import newton_schulz, resolve_ns_schedule
 from torchtitan_dmuon.optim.ns_backends import (
     AUTO_MIN_SIDE_CPU,
     choose_ns_backend,
     get_ns_backend,
+    pick_backend,
+    timings_for,
 )
+
+SCHEDULE = resolve_ns_schedule("quintic", 5)
 
 
 @pytest.fixture(autouse=True)
-def _fresh_choices(monkeypatch):
+def _fresh_choices(monkeypatch, tmp_path):
     monkeypatch.setattr(ns_backends, "_auto_choices", {})
+    monkeypatch.setenv("TORCHTITAN_DMUON_CACHE_DIR", str(tmp_path / "cache"))
 
 
 def _randn(*shape, seed=0):
@@ -24,36 +38,34 @@ def _randn(*shape, seed=0):
 
 
 def test_auto_keeps_torch_for_small_matrices_and_other_dtypes():
-    schedule = resolve_ns_schedule("quintic", 5)
     small = _randn(AUTO_MIN_SIDE_CPU - 1, 4 * AUTO_MIN_SIDE_CPU, seed=1)
-    assert choose_ns_backend(small, schedule, dtype=torch.float32) == "torch"
+    assert choose_ns_backend(small, SCHEDULE, dtype=torch.float32) == "torch"
     assert torch.equal(
-        get_ns_backend("auto")(small, schedule, dtype=torch.float32),
-        newton_schulz(small, schedule, dtype=torch.float32),
+        get_ns_backend("auto")(small, SCHEDULE, dtype=torch.float32),
+        newton_schulz(small, SCHEDULE, dtype=torch.float32),
     )
     wide = _randn(AUTO_MIN_SIDE_CPU, 4 * AUTO_MIN_SIDE_CPU, seed=2)
-    assert choose_ns_backend(wide, schedule, dtype=torch.float64) == "torch"
+    assert choose_ns_backend(wide, SCHEDULE, dtype=torch.float64) == "torch"
     assert ns_backends._auto_choices == {}
 
 
 @pytest.mark.parametrize("shape", [(96, 384), (384, 96), (2, 64, 256)])
 def test_auto_on_cpu_measures_once_and_returns_its_pick(shape, caplog):
-    """On CPU "auto" times torch against gram, logs and caches the pick, and returns the
-    picked backend's result exactly, within the tolerance of torch's."""
-    schedule = resolve_ns_schedule("quintic", 5)
+    """Without an agreed pick, "auto" times torch against gram in this process, logs and
+    keeps the pick per matrix shape, and returns the picked backend's result exactly."""
     g = _randn(*shape, seed=3)
     with caplog.at_level(logging.INFO, logger=ns_backends.__name__):
-        out = get_ns_backend("auto")(g, schedule, dtype=torch.float32)
-        again = get_ns_backend("auto")(g, schedule, dtype=torch.float32)
+        out = get_ns_backend("auto")(g, SCHEDULE, dtype=torch.float32)
+        again = get_ns_backend("auto")(g, SCHEDULE, dtype=torch.float32)
     picks = [r for r in caplog.records if "picked" in r.getMessage()]
-    assert len(picks) == 1 and "on cpu" in picks[0].getMessage()
+    assert len(picks) == 1 and "in this process" in picks[0].getMessage()
     (key,) = ns_backends._auto_choices
     picked = ns_backends._auto_choices[key]
     assert picked in ("torch", "gram")
-    assert key == (g.device, tuple(g.shape), torch.float32, 5)
-    expected = get_ns_backend(picked)(g, schedule, dtype=torch.float32)
+    assert key == ("cpu", tuple(shape[-2:]), torch.float32, 5)
+    expected = get_ns_backend(picked)(g, SCHEDULE, dtype=torch.float32)
     assert torch.equal(out, expected) and torch.equal(again, expected)
-    reference = newton_schulz(g, schedule, dtype=torch.float32)
+    reference = newton_schulz(g, SCHEDULE, dtype=torch.float32)
     assert ((out - reference).norm() / reference.norm()).item() < 1e-4
 
 
@@ -85,13 +97,16 @@ def _fake_timings(monkeypatch, timings, broken=None):
     ],
 )
 def test_auto_picks_the_fastest_correct_backend(monkeypatch, timings, broken, expected):
-    """The selection logic, as on CUDA (triton and gram candidates), with fake timings."""
+    """The selection logic, as on CUDA (triton and gram candidates), with fake timings: a
+    backend whose result is wrong is not among the measured ones."""
     _fake_timings(monkeypatch, timings, broken)
     monkeypatch.setattr(ns_backends, "_candidates", lambda device: ("triton", "gram"))
     schedule = resolve_ns_schedule("quintic", 2)
-    g = _randn(24, 40, seed=9)
-    picked = ns_backends._measure_fastest(g, schedule, eps=1e-7, dtype=torch.float32)
-    assert picked == expected
+    measured = ns_backends.measure_backends(
+        (24, 40), schedule, eps=1e-7, dtype=torch.float32, device=torch.device("cpu")
+    )
+    assert set(measured) == set(timings) - {broken}
+    assert pick_backend([(1, measured)]) == expected
 
 
 @pytest.mark.parametrize(
@@ -100,6 +115,172 @@ def test_auto_picks_the_fastest_correct_backend(monkeypatch, timings, broken, ex
 )
 def test_auto_on_cpu_times_gram_against_torch(monkeypatch, timings, expected):
     _fake_timings(monkeypatch, timings)
-    schedule = resolve_ns_schedule("quintic", 5)
     g = _randn(AUTO_MIN_SIDE_CPU, 4 * AUTO_MIN_SIDE_CPU, seed=4)
-    assert choose_ns_backend(g, schedule, dtype=torch.float32) == expected
+    assert choose_ns_backend(g, SCHEDULE, dtype=torch.float32) == expected
+
+
+def test_pick_merges_every_rank_by_work():
+    """Costs are matrices x ms summed over the ranks, over the backends every rank could
+    run; ties and near-ties stay on torch; the merge is independent of rank order."""
+    fast_gram = {"torch": 10.0, "gram": 5.0}
+    fast_torch = {"torch": 5.0, "gram": 15.0}
+    assert pick_backend([(1, fast_gram), (1, fast_torch)]) == "torch"  # 15 vs 20
+    assert pick_backend([(4, fast_gram), (1, fast_torch)]) == "gram"  # 45 vs 35
+    assert pick_backend([(1, fast_torch), (4, fast_gram)]) == "gram"
+    assert pick_backend([(1, {"torch": 10.0}), (1, fast_gram)]) == "torch"  # gram failed on one
+    assert pick_backend([(1, {"torch": 10.0, "gram": 9.8})]) == "torch"
+
+
+def test_timings_are_cached_on_disk_and_a_second_call_measures_nothing(monkeypatch, tmp_path):
+    calls = []
+    real = ns_backends.measure_backends
+    monkeypatch.setattr(
+        ns_backends, "measure_backends", lambda *a, **k: (calls.append(a[0]), real(*a, **k))[1]
+    )
+    shapes = [(64, 64), (64, 192)]
+    cpu = torch.device("cpu")
+    first, measured = timings_for(shapes, SCHEDULE, eps=1e-7, dtype=torch.float32, device=cpu)
+    assert measured == 2 and calls == shapes
+    second, measured = timings_for(shapes, SCHEDULE, eps=1e-7, dtype=torch.float32, device=cpu)
+    assert measured == 0 and calls == shapes and second == first
+    path = ns_cache.cache_path()
+    assert path.parent == tmp_path / "cache"
+    key = ns_cache.timing_key(ns_cache.device_key(cpu), (64, 192), torch.float32, 5)
+    assert torch.__version__ in key and torch.backends.cpu.get_cpu_capability() in key
+    assert ns_cache.load_timings()[key] == first[(64, 192)]
+    # Other steps or another dtype are other entries: measured again.
+    _, measured = timings_for(shapes[:1], SCHEDULE, eps=1e-7, dtype=torch.bfloat16, device=cpu)
+    assert measured == 1
+    path.write_text("{not json")  # a corrupt cache is an empty one
+    _, measured = timings_for(shapes[:1], SCHEDULE, eps=1e-7, dtype=torch.float32, device=cpu)
+    assert measured == 1
+
+
+def test_auto_dtype_is_fp32_without_native_bf16(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(ns_dtype, "_native_cpu_bf16", lambda: False)
+    verdict = ns_dtype.local_ns_dtype(cpu)
+    assert verdict.dtype == torch.float32 and "no native bf16" in verdict.reason
+    assert torch.backends.cpu.get_cpu_capability() in verdict.reason
+    # With bf16 instructions the probe decides: bf16 only if it is not slower.
+    monkeypatch.setattr(ns_dtype, "_native_cpu_bf16", lambda: True)
+    monkeypatch.setattr(
+        ns_dtype, "_matmul_ms", lambda dtype, device: {torch.bfloat16: 1.0}.get(dtype, 2.0)
+    )
+    assert ns_dtype.local_ns_dtype(cpu).dtype == torch.bfloat16
+    monkeypatch.setattr(
+        ns_dtype, "_matmul_ms", lambda dtype, device: {torch.bfloat16: 9.0}.get(dtype, 2.0)
+    )
+    assert ns_dtype.local_ns_dtype(cpu).dtype == torch.float32
+
+
+def test_muon_names_a_dtype_or_takes_the_local_verdict(monkeypatch):
+    monkeypatch.setattr(agreement, "_dtype_verdicts", {})
+    model = make_model()
+    assert Muon(model, ns_dtype=torch.bfloat16).ns_dtype == torch.bfloat16
+    assert Muon(model, ns_dtype="float32").ns_dtype == torch.float32
+    expected = ns_dtype.local_ns_dtype(torch.device("cpu"))
+    chosen = Muon(model).chosen_ns_dtype
+    assert chosen.dtype == expected.dtype and chosen.reason == expected.reason
+    with pytest.raises(ValueError, match="ns_dtype must be 'auto' or a floating"):
+        Muon(model, ns_dtype="int8")
+
+
+# ---- agreement over ranks ----------------------------------------------------------------
+DISAGREEING = [{"torch": 10.0, "gram": 5.0}, {"torch": 5.0, "gram": 15.0}]
+"""Fake timings: even ranks find gram twice as fast, odd ranks torch three times."""
+
+
+def _record_backends(used: set):
+    for name in ("torch", "gram"):
+        real = ns_backends.NS_BACKENDS[name]
+
+        def backend(grad, *args, _name=name, _real=real, **kwargs):
+            used.add((tuple(grad.shape[-2:]), _name))
+            return _real(grad, *args, **kwargs)
+
+        ns_backends.NS_BACKENDS[name] = backend
+
+
+def disagreeing_worker(rank, world, cache_dir, layout):
+    """``ns_backend="auto"`` with rank-dependent fake timings: the backends each rank then
+    runs per shape, and what it measured."""
+    os.environ["TORCHTITAN_DMUON_CACHE_DIR"] = f"{cache_dir}/rank{rank}"
+    fake = DISAGREEING[rank % 2]
+    ns_backends.measure_backends = lambda shape, *a, **k: dict(fake)
+    used: set = set()
+    _record_backends(used)
+    if layout == "tp":
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+        torch.manual_seed(0)
+        model = TokenModel(64, dim=64)
+        for block in model.layers:
+            parallelize_module(
+                block, mesh["tp"], {"up_proj": ColwiseParallel(), "down_proj": RowwiseParallel()}
+            )
+        dedicate_params(model, mesh["dp"], proj_predicate)
+        dp, dp_size = mesh["dp"].get_local_rank(), world // 2
+    else:
+        mesh = init_device_mesh("cpu", (world,))
+        model = make_model(dim=64, hidden=128, layers=2)
+        dedicate_params(model, mesh, proj_predicate)
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        dp, dp_size = rank, world
+    opt = Muon(model, ns_backend="auto", ns_dtype=torch.float32)
+    for step in range(2):
+        inputs, targets = batch(100 + step, 2 * dp_size)
+        opt.zero_grad()
+        loss_fn(model, inputs[2 * dp : 2 * dp + 2], targets[2 * dp : 2 * dp + 2]).backward()
+        opt.step()
+    return {"used": used, "picks": opt.ns_backend_report.picks}
+
+
+@pytest.mark.parametrize("world, layout", [(2, "fsdp"), (4, "fsdp"), (4, "tp")])
+def test_ranks_with_disagreeing_timings_run_one_backend_per_shape(tmp_path, world, layout):
+    """Each rank measures otherwise (even ranks: gram faster, odd ranks: torch), yet every
+    rank installs the same picks and every shape runs one backend on all ranks; under
+    TP 2 the two TP ranks of an owner column orthogonalize one gathered matrix each, with
+    the same backend."""
+    by_rank = run_distributed(disagreeing_worker, world, str(tmp_path), layout, timeout=240)
+    picks = by_rank[0]["picks"]
+    assert picks and all(r["picks"] == picks for r in by_rank)
+    backends = {}
+    for r in by_rank:
+        for shape, name in r["used"]:
+            backends.setdefault(shape, set()).add(name)
+    assert backends and all(len(names) == 1 for names in backends.values()), backends
+    assert {shape: names.pop() for shape, names in backends.items()} == {
+        shape: picks[shape] for shape in backends
+    }
+    # The test means something: some shape ran on an even and an odd rank, which would
+    # each have picked otherwise alone.
+    runs = {
+        shape: {i % 2 for i, r in enumerate(by_rank) if shape in dict(r["used"])}
+        for shape in backends
+    }
+    assert any(parities == {0, 1} for parities in runs.values()), runs
+
+
+def cached_worker(rank, world, cache_dir):
+    os.environ["TORCHTITAN_DMUON_CACHE_DIR"] = cache_dir
+    mesh = init_device_mesh("cpu", (world,))
+    reports = []
+    for _ in range(2):
+        ns_backends._auto_choices.clear()
+        model = make_model(dim=64, hidden=128, layers=2)
+        dedicate_params(model, mesh, proj_predicate)
+        reports.append(Muon(model, ns_backend="auto", ns_dtype=torch.float32).ns_backend_report)
+    return reports
+
+
+def test_a_second_job_reads_the_cache_and_measures_nothing(tmp_path):
+    """The first job's ranks measure their shapes (each the ones it owns) and save the
+    timings; a second job on the same machine reads them all and measures nothing."""
+    by_rank = run_distributed(cached_worker, 2, str(tmp_path), timeout=240)
+    first, second = zip(*by_rank, strict=True)
+    assert sum(r.measured for r in first) >= 3  # 64x64, 128x64, 64x128 among the ranks
+    assert all(r.measured == 0 and r.cached > 0 for r in second)
+    assert all(r.picks == first[0].picks for r in first + second)
+    assert first[0].seconds < 5 and all(r.seconds < 1 for r in second)

@@ -6,6 +6,7 @@ equals one-process torch.optim.Muon + AdamW on the whole batch."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -36,7 +37,7 @@ def _model() -> TokenModel:
     return TokenModel(VOCAB)
 
 
-def tp_worker(rank, world):
+def tp_worker(rank, world, ns_backend):
     mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
     dp = mesh["dp"].get_local_rank()
     model = _model()
@@ -46,7 +47,13 @@ def tp_worker(rank, world):
         )
     # DDP-style data parallelism for the rest: the engine keeps it in sync over dp.
     dedication = dedicate_params(model, mesh["dp"], proj_predicate)
-    opt = Muon(model, ns_dtype=torch.float32, **MUON_KW, **as_muon_adamw_kwargs(ADAMW_KW))
+    opt = Muon(
+        model,
+        ns_dtype=torch.float32,
+        ns_backend=ns_backend,
+        **MUON_KW,
+        **as_muon_adamw_kwargs(ADAMW_KW),
+    )
     losses = []
     per = SAMPLES // DP
     for step in range(STEPS):
@@ -82,8 +89,11 @@ def _layout_error(mesh) -> str:
     return ""
 
 
-def test_tensor_parallel_matches_one_process():
-    by_rank = run_distributed(tp_worker, DP * TP, timeout=240)
+@pytest.mark.parametrize("ns_backend", ["gram", "torch"])
+def test_tensor_parallel_matches_one_process(ns_backend):
+    """The Gram path for ns_backend "gram" (the all-reduced Grams only), the gathered
+    matrix for "torch" (which has no sharded form); both equal one process."""
+    by_rank = run_distributed(tp_worker, DP * TP, ns_backend, timeout=240)
     with reference_setup(torch.float32):
         model = _model()
         expected = train_one_process(
@@ -101,10 +111,15 @@ def test_tensor_parallel_matches_one_process():
     assert sum(r["owned"] for r in by_rank) == 6 * TP
     assert sum(r["ns_matrices"] for r in by_rank) == 6 * TP * STEPS
     for r in by_rank:
-        # The 32x64 / 64x32 matrices split on their 64 side: a 32^2 Gram per phase (2
-        # phases), all-reduced over TP; nothing gathered.
-        per_matrix = 2 * 32 * 32 * 4
-        assert r["stats"]["bytes"].get("tp_all_reduce", 0) == per_matrix * r["owned"] * STEPS
-        assert "tp_gather" not in r["stats"]["bytes"]
+        if ns_backend == "gram":
+            # The 32x64 / 64x32 matrices split on their 64 side: a 32^2 Gram per phase (2
+            # phases), all-reduced over TP; nothing gathered.
+            per_matrix = 2 * 32 * 32 * 4
+            assert r["stats"]["bytes"]["tp_all_reduce"] == per_matrix * r["owned"] * STEPS
+            assert "tp_gather" not in r["stats"]["bytes"]
+        else:
+            # Each TP rank gathers the whole 32x64 matrix (its own shard included).
+            assert r["stats"]["bytes"]["tp_gather"] == 32 * 64 * 4 * r["owned"] * STEPS
+            assert "tp_all_reduce" not in r["stats"]["bytes"]
         assert "layers.0.up_proj.weight" in r["layout_error"]
         assert "over a 1-D mesh" in r["layout_error"]

@@ -24,10 +24,13 @@ from torch.profiler import record_function
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from torchtitan_dmuon.engine import get_dedication, verify_plan
+from torchtitan_dmuon.engine.agreement import NSBackendReport, agree_ns_backends, job_ns_dtype
+from torchtitan_dmuon.engine.api import mesh_device
 from torchtitan_dmuon.engine.selection import select_matrices
 from torchtitan_dmuon.optim.muon import ADJUST_LR_FNS, muon_step
-from torchtitan_dmuon.optim.newton_schulz import EPS, resolve_ns_schedule
+from torchtitan_dmuon.optim.newton_schulz import EPS, matrix_count, resolve_ns_schedule
 from torchtitan_dmuon.optim.ns_backends import bind_ns, get_ns_backend
+from torchtitan_dmuon.optim.ns_dtype import NSDtypeVerdict, parse_ns_dtype
 
 __all__ = ["Muon"]
 
@@ -57,8 +60,18 @@ class Muon(torch.optim.Optimizer):
         ns_steps: Newton-Schulz iterations.
         ns_coefficients: ``"quintic"``, ``"polar_express"``, one ``(a, b, c)`` triple or a
             list of per-step triples.
-        ns_dtype: Newton-Schulz compute dtype (bf16 by default; fp32 for exact tests).
-        ns_backend: Newton-Schulz implementation (see ``optim.ns_backends``).
+        ns_dtype: Newton-Schulz compute dtype, or ``"auto"`` (the default): bf16 where
+            the device multiplies bf16 natively and fast (CUDA, CPUs with AVX512-BF16 or
+            AMX), fp32 elsewhere (see ``optim.ns_dtype``), decided once per process and,
+            after :func:`dedicate_params`, agreed by every rank (a collective over the
+            default process group, in this constructor). ``chosen_ns_dtype`` says why.
+        ns_backend: Newton-Schulz implementation (see ``optim.ns_backends``). With
+            ``"auto"`` the backend of every matrix shape is picked in this constructor,
+            from timings read from the disk cache or measured, and after
+            :func:`dedicate_params` merged over every rank (a collective), so each shape
+            runs one backend on every rank. Under tensor parallelism the Gram all-reduce
+            path runs for ``"gram"`` and ``"auto"`` (where it moves fewer bytes); other
+            backends orthogonalize the gathered matrix.
         adjust_lr_fn: ``None``/``"original"``, ``"match_rms_adamw"`` or ``"spectral"``.
         eps: Floor of the Newton-Schulz normalizing norm.
         adamw_lr: AdamW learning rate for the non-Muon parameters.
@@ -89,7 +102,7 @@ class Muon(torch.optim.Optimizer):
         weight_decay: float = 0.0,
         ns_steps: int = 5,
         ns_coefficients="quintic",
-        ns_dtype: torch.dtype = torch.bfloat16,
+        ns_dtype: torch.dtype | str = "auto",
         ns_backend: str = "torch",
         adjust_lr_fn: str | None = None,
         eps: float = EPS,
@@ -115,9 +128,8 @@ class Muon(torch.optim.Optimizer):
         _check_range("eps", eps, 0.0)
         if adjust_lr_fn not in ADJUST_LR_FNS:
             raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
-        if not (isinstance(ns_dtype, torch.dtype) and ns_dtype.is_floating_point):
-            raise ValueError(f"ns_dtype must be a floating torch.dtype, got {ns_dtype!r}")
-        resolve_ns_schedule(ns_coefficients, ns_steps)  # validates both
+        ns_dtype = parse_ns_dtype(ns_dtype)
+        schedule = resolve_ns_schedule(ns_coefficients, ns_steps)  # validates both
         get_ns_backend(ns_backend)
 
         self.dedication = get_dedication(model)
@@ -139,7 +151,6 @@ class Muon(torch.optim.Optimizer):
         muon_ids = {id(p) for p in muon_params}
         adamw_params = [p for p in model.parameters() if p.requires_grad and id(p) not in muon_ids]
 
-        self.ns_dtype = ns_dtype
         self.ns_backend = ns_backend
         self.eps = eps
         self.ns_matrices = 0
@@ -170,9 +181,46 @@ class Muon(torch.optim.Optimizer):
         self._adamw = self._make_adamw(adamw_params, adamw_foreach, adamw_fused)
         if self.dedication is not None:
             verify_plan(self.dedication)
+        self.chosen_ns_dtype = self._choose_ns_dtype(ns_dtype, muon_params)
+        self.ns_dtype = self.chosen_ns_dtype.dtype
+        self.ns_backend_report = None
+        """What ``ns_backend="auto"`` measured and picked (None for a named backend)."""
+        if ns_backend == "auto":
+            self.ns_backend_report = self._choose_ns_backends(schedule, muon_params)
+        if self.dedication is not None:
             if replicate_async:
                 # The engine's settings are the one place; this argument lands there.
                 self.dedication.settings.replicate_async = True
+
+    def _ns_device(self, muon_params: list[nn.Parameter]) -> torch.device:
+        if self.dedication is not None:
+            return mesh_device(self.dedication.mesh)
+        return muon_params[0].device if muon_params else torch.device("cpu")
+
+    def _choose_ns_dtype(
+        self, ns_dtype: torch.dtype | str, muon_params: list[nn.Parameter]
+    ) -> NSDtypeVerdict:
+        if ns_dtype != "auto":
+            return NSDtypeVerdict(ns_dtype, "named")
+        device = self._ns_device(muon_params)
+        return job_ns_dtype(device, distributed=self.dedication is not None)
+
+    def _choose_ns_backends(self, schedule, muon_params: list[nn.Parameter]) -> NSBackendReport:
+        if self.dedication is not None:
+            workload = self.dedication.ns_workload("auto", self.ns_dtype, schedule.steps)
+        else:
+            workload = {}
+            for p in muon_params:
+                shape = (p.shape[-2], p.shape[-1])
+                workload[shape] = workload.get(shape, 0) + matrix_count(p.shape)
+        return agree_ns_backends(
+            workload,
+            schedule,
+            eps=self.eps,
+            dtype=self.ns_dtype,
+            device=self._ns_device(muon_params),
+            distributed=self.dedication is not None,
+        )
 
     def _make_adamw(
         self, adamw_params: list[nn.Parameter], foreach: bool | None, fused: bool | None
@@ -261,7 +309,7 @@ class Muon(torch.optim.Optimizer):
             if split is not None:
                 shapes = [targets[i][0].shape for i in indices]
                 group_ns = self.dedication.sharded_ns(
-                    split, ns, schedule, eps=self.eps, dtype=self.ns_dtype
+                    split, ns, schedule, eps=self.eps, dtype=self.ns_dtype, backend=self.ns_backend
                 )
             self.ns_matrices += muon_step(
                 [params[i] for i in indices],

@@ -159,7 +159,7 @@ def verify_plan(dedication: Dedication) -> None:
     mismatch cannot reach a later collective. Ranks outside them (other pipeline stages)
     are not involved: a stage's plan is its own.
     """
-    device = _mesh_device(dedication.mesh)
+    device = mesh_device(dedication.mesh)
     fingerprint = dedication.plan.fingerprint(dedication.settings.reshard_after_forward)
     coordinates = [fingerprint, dedication.replicate_rank]
     error, expert_rank, ep_rank, etp_rank = None, 0, 0, 0
@@ -217,7 +217,8 @@ def verify_plan(dedication: Dedication) -> None:
         }
 
 
-def _mesh_device(mesh: DeviceMesh) -> torch.device:
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """The device a mesh's collectives (and the Newton-Schulz of its owners) run on."""
     if mesh.device_type == "cpu":
         return torch.device("cpu")
     return torch.device(mesh.device_type, torch.accelerator.current_device_index())
@@ -452,7 +453,7 @@ def dedicate_params(
     if expert_mesh is not None:
         # Which experts' column each shard-group rank is (the two domains are balanced
         # together): the one collective of planning, after every check.
-        device = _mesh_device(mesh)
+        device = mesh_device(mesh)
         rows = _all_gather_rows([expert_mesh.get_local_rank()], mesh.get_group(), device)
         expert_columns = [row[0] for row in rows]
     plan = build_plan(

@@ -36,7 +36,9 @@ from torchtitan_dmuon.engine.plan import (
 from torchtitan_dmuon.engine.replicas import Replicas
 from torchtitan_dmuon.engine.settings import DedicationSettings
 from torchtitan_dmuon.engine.unit import RefilledParam, Unit, refills
+from torchtitan_dmuon.optim.newton_schulz import matrix_count
 from torchtitan_dmuon.optim.sharded_ns import (
+    SHARDED_BACKENDS,
     gathered_newton_schulz,
     sharded_newton_schulz,
     sharded_ns_bytes,
@@ -446,11 +448,13 @@ class Dedication:
         dist.all_gather_into_tensor(out, shard.contiguous(), group=self.tp_group)
         return list(out.chunk(size))
 
-    def sharded_ns(self, split_dim: int, ns, schedule, *, eps: float, dtype: torch.dtype):
+    def sharded_ns(
+        self, split_dim: int, ns, schedule, *, eps: float, dtype: torch.dtype, backend: str
+    ):
         """Newton-Schulz of tensor-parallel shards split along ``split_dim``, run together
         by the owner column's TP ranks: the Gram path (one all-reduce of the unsplit dim's
-        Gram per phase) unless gathering the matrix moves fewer bytes (then ``ns`` on the
-        gathered matrix). The choice per shape is logged once."""
+        Gram per phase) unless gathering the matrix moves fewer bytes or ``backend`` has
+        no sharded form (then ``ns`` on the gathered matrix). Logged once per shape."""
         size = dist.get_world_size(self.tp_group)
         rank = dist.get_rank(self.tp_group)
 
@@ -461,15 +465,24 @@ class Dedication:
         def orthogonalize(shards: torch.Tensor) -> torch.Tensor:
             full = list(shards.shape)
             full[split_dim] *= size
-            method = sharded_ns_method(full, split_dim, dtype.itemsize, schedule.steps)
+            method = sharded_ns_method(
+                full, split_dim, dtype.itemsize, schedule.steps, backend=backend
+            )
             key = (tuple(full[-2:]), split_dim)
             if key not in self._ns_methods:
                 self._ns_methods[key] = method
+                bytes_per_matrix = sharded_ns_bytes(
+                    full[-2:], split_dim, dtype.itemsize, schedule.steps
+                )
+                why = (
+                    f"ns_backend={backend!r} has no sharded form"
+                    if backend not in SHARDED_BACKENDS
+                    else "by bytes"
+                )
                 logger.info(
                     "dmuon: tensor-parallel Newton-Schulz of %s split along dim %d over %d "
-                    "ranks: %s (bytes per matrix: %s)",
-                    key[0], split_dim, size, method,
-                    sharded_ns_bytes(full[-2:], split_dim, dtype.itemsize, schedule.steps),
+                    "ranks: %s (%s; bytes per matrix: %s)",
+                    key[0], split_dim, size, method, why, bytes_per_matrix,
                 )  # fmt: skip
             if method == "gram":
                 return sharded_newton_schulz(
@@ -478,6 +491,28 @@ class Dedication:
             return gathered_newton_schulz(shards, split_dim, rank, self.gather_shards, ns)
 
         return orthogonalize
+
+    def ns_workload(
+        self, backend: str, dtype: torch.dtype, steps: int
+    ) -> dict[tuple[int, int], int]:
+        """Matrices per ``(rows, cols)`` that ``backend`` orthogonalizes on this rank each
+        step: those of which it is the primary owner, whole, and the tensor-parallel
+        matrices its owner column gathers (the Gram path runs no backend)."""
+        out: dict[tuple[int, int], int] = {}
+        for unit in self.units:
+            if not unit.primary:
+                continue
+            for d in unit.params:
+                shape = d.shape  # the whole matrix's (a piece's, for split stacks)
+                if d.split_dim is not None and self.tp_group is not None:
+                    method = sharded_ns_method(
+                        shape, d.split_dim, dtype.itemsize, steps, backend=backend
+                    )
+                    if method == "gram":
+                        continue
+                key = (int(shape[-2]), int(shape[-1]))
+                out[key] = out.get(key, 0) + matrix_count(shape)
+        return out
 
     # ---- reports and reads -----------------------------------------------------------------------
     def balance(self, domain: int | None = None) -> float:

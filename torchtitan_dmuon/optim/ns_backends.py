@@ -8,20 +8,24 @@ in ``dtype`` and the input's shape. Registered backends:
 * ``"triton"``: symmetric Triton kernels (CUDA; ``optim.kernels.triton_ns``), imported on
   first use so that this package imports without Triton.
 * ``"gram"``: Gram Newton-Schulz (``optim.kernels.gram_ns``), fewer FLOPs on wide matrices.
-* ``"auto"``: the fastest of them that is correct for the input, measured once per shape
-  on whatever device the input is on (see :func:`choose_ns_backend`). The pick can differ
-  between machines, ranks and runs, and the backends round differently: name a backend
-  explicitly for bit-reproducible runs.
+* ``"auto"``: per matrix shape, the fastest of them that is correct on this device. The
+  picks are made before training: :func:`measure_backends` times each backend on one
+  matrix of each shape (or reads the timings from the disk cache, :mod:`.ns_cache`),
+  :func:`pick_backend` merges the timings of every rank that runs a shape, and
+  :func:`set_auto_choices` installs the result, the same on every rank (the engine does
+  that for a distributed job). A shape nobody picked for is measured in this process at
+  its first use. The backends round differently: name one for bit-reproducible runs.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
+from torchtitan_dmuon.optim import ns_cache
 from torchtitan_dmuon.optim.kernels.gram_ns import gram_newton_schulz
 from torchtitan_dmuon.optim.newton_schulz import EPS, NSSchedule, newton_schulz
 
@@ -30,10 +34,16 @@ __all__ = [
     "AUTO_MIN_SIDE_CPU",
     "NS_BACKENDS",
     "NSBackend",
+    "auto_key",
     "auto_newton_schulz",
     "bind_ns",
     "choose_ns_backend",
     "get_ns_backend",
+    "measure_backends",
+    "needs_choice",
+    "pick_backend",
+    "set_auto_choices",
+    "timings_for",
 ]
 
 logger = logging.getLogger(__name__)
@@ -55,7 +65,11 @@ _AUTO_REPS = 3
 # Largest accepted relative Frobenius distance from the torch backend's result per dtype
 # (a guard against a broken kernel, not a precision test); other dtypes stay on torch.
 _AUTO_TOLERANCE = {torch.bfloat16: 5e-2, torch.float16: 5e-2, torch.float32: 1e-2}
+# The pick per auto_key, agreed by the job's ranks or measured in this process.
 _auto_choices: dict[tuple, str] = {}
+
+AutoKey = tuple[str, tuple[int, int], torch.dtype, int]
+Timings = ns_cache.Timings
 
 
 def _triton_newton_schulz(
@@ -93,22 +107,39 @@ def _candidates(device: torch.device) -> tuple[str, ...]:
     return ("triton", "gram") if device.type == "cuda" else ("gram",)
 
 
-def _device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+def auto_key(device: torch.device, shape: Sequence[int], dtype: torch.dtype, steps: int) -> AutoKey:
+    """What an ``"auto"`` pick is per: device type, ``(rows, cols)``, dtype, steps."""
+    return (device.type, (int(shape[-2]), int(shape[-1])), dtype, steps)
 
 
-def _measure_fastest(
-    grad: torch.Tensor, schedule: NSSchedule, *, eps: float, dtype: torch.dtype
-) -> str:
-    """Time every backend on ``grad``; the fastest correct one, torch unless one beats it."""
+def needs_choice(device: torch.device, shape: Sequence[int], dtype: torch.dtype) -> bool:
+    """Whether ``"auto"`` measures this shape: a bf16/fp16/fp32 matrix whose short side is
+    at least :data:`AUTO_MIN_SIDE_CPU` on CPU, :data:`AUTO_MIN_SIDE` elsewhere (smaller
+    ones, and other dtypes, run ``"torch"``)."""
+    min_side = AUTO_MIN_SIDE_CPU if device.type == "cpu" else AUTO_MIN_SIDE
+    return dtype in _AUTO_TOLERANCE and min(shape[-2:]) >= min_side
+
+
+def measure_backends(
+    shape: Sequence[int],
+    schedule: NSSchedule,
+    *,
+    eps: float,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> Timings:
+    """Milliseconds of one Newton-Schulz of a random ``(rows, cols)`` matrix per backend
+    that runs here and is correct (within a loose tolerance of torch's result); torch is
+    always among them."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    grad = torch.randn(*shape[-2:], generator=generator, device=device)
 
     def run(name: str) -> torch.Tensor:
         return NS_BACKENDS[name](grad, schedule, eps=eps, dtype=dtype)
 
     reference = run("torch")  # also the warm-up
-    timings = {"torch": _elapsed_ms(lambda: run("torch"), grad.device)}
-    best, best_ms = "torch", timings["torch"] * _AUTO_MARGIN
-    for name in _candidates(grad.device):
+    timings = {"torch": _elapsed_ms(lambda: run("torch"), device)}
+    for name in _candidates(device):
         try:
             # The first call compiles and autotunes; it must not be timed.
             out = run(name)
@@ -119,18 +150,54 @@ def _measure_fastest(
         if not error <= _AUTO_TOLERANCE[dtype]:
             logger.warning("ns_backend='auto': %r is off by %.3g, skipping it", name, error)
             continue
-        timings[name] = _elapsed_ms(lambda name=name: run(name), grad.device)
-        if timings[name] < best_ms:
-            best, best_ms = name, timings[name]
-    logger.info(
-        "ns_backend='auto' picked %r for %s %s on %s (ms: %s)",
-        best,
-        tuple(grad.shape),
-        dtype,
-        _device_name(grad.device),
-        {k: round(v, 3) for k, v in timings.items()},
-    )
-    return best
+        timings[name] = _elapsed_ms(lambda name=name: run(name), device)
+    return timings
+
+
+def timings_for(
+    shapes: Iterable[tuple[int, int]],
+    schedule: NSSchedule,
+    *,
+    eps: float,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[dict[tuple[int, int], Timings], int]:
+    """The timings of each shape, read from the disk cache or measured (and then saved).
+
+    Returns:
+        The timings per shape, and how many shapes were measured (not in the cache).
+    """
+    where = ns_cache.device_key(device)
+    keys = {shape: ns_cache.timing_key(where, shape, dtype, schedule.steps) for shape in shapes}
+    cached = ns_cache.load_timings()
+    out = {shape: cached[key] for shape, key in keys.items() if key in cached}
+    measured = {}
+    for shape, key in keys.items():
+        if shape not in out:
+            out[shape] = measured[key] = measure_backends(
+                shape, schedule, eps=eps, dtype=dtype, device=device
+            )
+    ns_cache.save_timings(measured)
+    return out, len(measured)
+
+
+def pick_backend(measurements: Sequence[tuple[int, Timings]]) -> str:
+    """The backend for one shape from the timings of every rank that runs it.
+
+    Each measurement is ``(matrices that rank orthogonalizes per step, its timings)``; a
+    backend is a candidate if every measurement has it, and its cost is the sum over the
+    ranks of matrices x milliseconds. ``"torch"`` unless a candidate costs less than 97%
+    of it; ties go to the name, so every rank merging the same measurements agrees.
+    """
+    names = set.intersection(*(set(timings) for _, timings in measurements))
+    cost = {name: sum(count * t[name] for count, t in measurements) for name in names}
+    best = min(sorted(names - {"torch"}), key=cost.__getitem__, default="torch")
+    return best if cost.get(best, 0.0) < _AUTO_MARGIN * cost["torch"] else "torch"
+
+
+def set_auto_choices(picks: dict[AutoKey, str]) -> None:
+    """Install picks (from :func:`pick_backend`) for this process's ``"auto"`` runs."""
+    _auto_choices.update(picks)
 
 
 def choose_ns_backend(
@@ -140,22 +207,24 @@ def choose_ns_backend(
     eps: float = EPS,
     dtype: torch.dtype = torch.bfloat16,
 ) -> str:
-    """The backend that ``"auto"`` runs for this input.
-
-    ``"torch"`` for dtypes other than bf16/fp16/fp32 and for short sides below
-    :data:`AUTO_MIN_SIDE_CPU` on CPU, :data:`AUTO_MIN_SIDE` elsewhere. Otherwise every
-    backend the device can run (triton and gram on CUDA, gram elsewhere) runs on ``grad``
-    and is timed; the fastest one whose result is close to torch's wins, and another
-    backend replaces torch only if it is at least 3% faster. The pick is cached per
-    device, shape, dtype and number of steps, so each shape is measured once per process,
-    and logged.
-    """
-    min_side = AUTO_MIN_SIDE_CPU if grad.device.type == "cpu" else AUTO_MIN_SIDE
-    if dtype not in _AUTO_TOLERANCE or min(grad.shape[-2:]) < min_side:
+    """The backend that ``"auto"`` runs for this input: ``"torch"`` where
+    :func:`needs_choice` says no, else the installed pick for its matrix shape; a shape
+    without one is measured here (through the disk cache), picked and logged."""
+    if not needs_choice(grad.device, grad.shape, dtype):
         return "torch"
-    key = (grad.device, tuple(grad.shape), dtype, schedule.steps)
+    key = auto_key(grad.device, grad.shape, dtype, schedule.steps)
     if key not in _auto_choices:
-        _auto_choices[key] = _measure_fastest(grad, schedule, eps=eps, dtype=dtype)
+        shape = key[1]
+        timings, _ = timings_for([shape], schedule, eps=eps, dtype=dtype, device=grad.device)
+        _auto_choices[key] = pick_backend([(1, timings[shape])])
+        logger.info(
+            "ns_backend='auto' picked %r for %s %s on %s in this process (ms: %s)",
+            _auto_choices[key],
+            shape,
+            dtype,
+            ns_cache.device_key(grad.device),
+            {k: round(v, 3) for k, v in timings[shape].items()},
+        )
     return _auto_choices[key]
 
 

@@ -8,7 +8,9 @@ of Gram Newton-Schulz (:mod:`.kernels.gram_ns`) costs one SUM all-reduce of a
 ``(unsplit dim)^2`` matrix, the polynomial factor is computed identically on every rank
 and applied to each shard locally; the Frobenius norm is the square root of the first
 reduced Gram's trace. The alternative, gather-NS-scatter, moves the matrix itself; which
-one moves fewer bytes depends on the shape and the split (:func:`sharded_ns_method`).
+one moves fewer bytes depends on the shape and the split (:func:`sharded_ns_method`). The
+Gram path is the ``"gram"`` backend's algorithm; a matrix under another named backend
+(``"torch"``, ``"triton"``) is gathered and orthogonalized by that backend.
 
 The collectives are passed in as functions, so this module stays pure math: it does not
 import ``torch.distributed``.
@@ -32,6 +34,7 @@ from torchtitan_dmuon.optim.kernels.gram_ns import (
 from torchtitan_dmuon.optim.newton_schulz import EPS, NSSchedule
 
 __all__ = [
+    "SHARDED_BACKENDS",
     "ShardedNSMethod",
     "gathered_newton_schulz",
     "sharded_newton_schulz",
@@ -40,6 +43,9 @@ __all__ = [
 ]
 
 ShardedNSMethod = Literal["gram", "gather"]
+
+SHARDED_BACKENDS = ("gram", "auto")
+"""The ``ns_backend`` values whose Newton-Schulz may run as the sharded Gram path."""
 
 AllReduce = Callable[[torch.Tensor], None]
 """SUM-all-reduce a tensor in place over the ranks that hold the shards."""
@@ -148,8 +154,12 @@ def sharded_ns_method(
     element_size: int,
     steps: int,
     restarts: Sequence[int] = RESTARTS,
+    backend: str = "gram",
 ) -> ShardedNSMethod:
     """``"gram"`` unless gathering the matrix moves fewer bytes (a matrix whose unsplit
-    dim is its long one, e.g. a 1024 x 4096 K/V projection split on its rows)."""
+    dim is its long one, e.g. a 1024 x 4096 K/V projection split on its rows) or
+    ``backend`` has no sharded form (not in :data:`SHARDED_BACKENDS`): then ``"gather"``."""
+    if backend not in SHARDED_BACKENDS:
+        return "gather"
     cost = sharded_ns_bytes(shape, split_dim, element_size, steps, restarts)
     return "gram" if cost["gram"] <= cost["gather"] else "gather"

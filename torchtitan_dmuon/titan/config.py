@@ -69,10 +69,17 @@ class DMuon:
     """Newton-Schulz coefficient preset: quintic or polar_express."""
 
     ns_backend: Literal["torch", "triton", "gram", "auto"] = "torch"
-    """Newton-Schulz implementation: torch, triton, gram or auto."""
+    """Newton-Schulz implementation: torch, triton, gram or auto (per matrix shape the
+    fastest correct one, timed before step 1 by the ranks that run the shape and agreed by
+    all; the timings are cached on disk, in $TORCHTITAN_DMUON_CACHE_DIR or
+    ~/.cache/torchtitan_dmuon, so a second run measures nothing). Under tensor parallelism
+    gram and auto may use the Gram all-reduce path; torch and triton gather the matrix."""
 
-    ns_dtype: Literal["bfloat16", "float16", "float32", "float64"] = "bfloat16"
-    """Newton-Schulz compute dtype: bfloat16, float16, float32 or float64."""
+    ns_dtype: Literal["auto", "bfloat16", "float16", "float32", "float64"] = "auto"
+    """Newton-Schulz compute dtype: auto, bfloat16, float16, float32 or float64. auto: bf16
+    where the device multiplies bf16 natively and fast (CUDA; CPUs with AVX512-BF16 or AMX,
+    confirmed by a short probe), fp32 elsewhere (a CPU with AVX2 only multiplies bf16 tens
+    of times slower); decided once per job, agreed by every rank, logged with the reason."""
 
     adjust_lr_fn: Literal["original", "match_rms_adamw", "spectral"] = "original"
     """Per-shape learning-rate scaling: original, match_rms_adamw or spectral."""

@@ -45,7 +45,7 @@ def _muon_kwargs(model: nn.Module, optimizer_config) -> dict:
         weight_decay=settings.weight_decay,
         ns_steps=settings.ns_steps,
         ns_coefficients=settings.ns_coefficients,
-        ns_dtype=getattr(torch, settings.ns_dtype),
+        ns_dtype=settings.ns_dtype,
         ns_backend=settings.ns_backend,
         adjust_lr_fn=settings.adjust_lr_fn,
         adamw_lr=optimizer_config.lr,

@@ -1,0 +1,96 @@
+"""The on-disk cache of ``ns_backend="auto"`` timings, so a second run measures nothing.
+
+One JSON file, ``ns_backend_timings.json``, in ``$TORCHTITAN_DMUON_CACHE_DIR`` or else
+``$XDG_CACHE_HOME/torchtitan_dmuon`` (``~/.cache/torchtitan_dmuon``), as Triton and
+Inductor keep theirs. Each entry holds the milliseconds of every correct backend for one
+matrix shape, keyed by what the timing depends on: the device (GPU name, or CPU model and
+torch's capability string), the torch version, the shape, the dtype and the number of
+steps. Ranks sharing a machine write it under a file lock; a missing, unreadable or
+corrupt file is an empty cache.
+
+This module does not import ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import pathlib
+from collections.abc import Sequence
+
+import torch
+
+from torchtitan_dmuon.optim.ns_dtype import cpu_description
+
+__all__ = ["cache_path", "device_key", "load_timings", "save_timings", "timing_key"]
+
+logger = logging.getLogger(__name__)
+
+Timings = dict[str, float]
+"""Milliseconds of one Newton-Schulz run per backend name."""
+
+_FILE = "ns_backend_timings.json"
+
+
+def cache_path() -> pathlib.Path:
+    """Where the timings live (see the module docstring)."""
+    folder = os.environ.get("TORCHTITAN_DMUON_CACHE_DIR")
+    if not folder:
+        base = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
+        folder = pathlib.Path(base) / "torchtitan_dmuon"
+    return pathlib.Path(folder) / _FILE
+
+
+def device_key(device: torch.device) -> str:
+    """The device part of a key: the GPU's name and compute capability, or the CPU's
+    model and torch's capability string."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"{torch.cuda.get_device_name(device)} sm{major}{minor}"
+    return cpu_description() if device.type == "cpu" else device.type
+
+
+def timing_key(device: str, shape: Sequence[int], dtype: torch.dtype, steps: int) -> str:
+    """One entry's key: ``device_key``, torch version, ``rows x cols``, dtype, steps."""
+    rows, cols = shape[-2:]
+    return f"{device} | torch {torch.__version__} | {rows}x{cols} | {dtype} | {steps} steps"
+
+
+def _read(path: pathlib.Path) -> dict[str, Timings]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as err:
+        logger.warning("ns_backend='auto': ignoring the unreadable timing cache %s: %s", path, err)
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def load_timings(path: pathlib.Path | None = None) -> dict[str, Timings]:
+    """Every cached entry (empty if there is no usable cache)."""
+    return _read(path or cache_path())
+
+
+def save_timings(entries: dict[str, Timings], path: pathlib.Path | None = None) -> None:
+    """Add ``entries`` to the cache (read, merged and replaced under a lock, so ranks on
+    one machine can save at once). A cache that cannot be written only costs a warning:
+    the next run measures again."""
+    if not entries:
+        return
+    path = path or cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            merged = {**_read(path), **entries}
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+            os.replace(tmp, path)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            path.with_suffix(f".{os.getpid()}.tmp").unlink()
+        logger.warning("ns_backend='auto': could not write the timing cache %s: %s", path, err)
