@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -14,7 +16,7 @@ def test_bench_step_counts(tmp_path):
         sys.executable, "benchmarks/bench_step.py", "--nproc", "2", "--dim", "64",
         "--layers", "2", "--heads", "4", "--vocab", "256", "--seq", "16", "--rounds", "1",
         "--steps-per-round", "1", "--out", str(tmp_path),
-        "--modes", "adamw", "naive_muon", "dmuon_z3", "dmuon_z2",
+        "--modes", "adamw_fused", "naive_muon", "dmuon_z3", "dmuon_z2",
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -26,7 +28,7 @@ def test_bench_step_counts(tmp_path):
     assert rows["dmuon_z3"]["ns_gflops_per_rank_max"] < rows["naive_muon"]["ns_gflops_per_rank_max"]
     # No optimizer all-gather: Z2 moves fewer bytes than FSDP2+AdamW, Z3 as many (plus one
     # 4-byte has-gradient flag per matrix); naive Muon gathers every matrix once more.
-    adamw = rows["adamw"]["total_bytes_per_rank"]
+    adamw = rows["adamw_fused"]["total_bytes_per_rank"]
     assert rows["dmuon_z2"]["total_bytes_per_rank"] < adamw
     assert rows["dmuon_z3"]["total_bytes_per_rank"] <= adamw + 4 * 14
 
@@ -39,4 +41,13 @@ def test_bench_step_counts(tmp_path):
     # Same math: DMuon Z2, Z3 and naive Muon end on the same loss.
     assert rows["dmuon_z3"]["final_loss"] == rows["dmuon_z2"]["final_loss"]
     assert abs(rows["dmuon_z3"]["final_loss"] - rows["naive_muon"]["final_loss"]) < 1e-4
+    # Each DMuon mode's floor: the fused-AdamW step plus its busiest rank's profiled NS.
+    for mode in ("dmuon_z3", "dmuon_z2"):
+        ns = max(r["newton_schulz"] for r in rows[mode]["step_breakdown"]["per_rank_ms"])
+        assert ns > 0
+        assert rows[mode]["floor_ms"] == rows["adamw_fused"]["step_ms"] + ns
+        assert rows[mode]["ratio_to_floor"] == rows[mode]["step_ms"] / rows[mode]["floor_ms"]
+    assert rows["adamw_fused"]["ratio_to_adamw_fused"] == 1.0
+    assert result["ns_dtype"] in ("float32", "bfloat16")
+    assert torch.backends.cpu.get_cpu_capability() in result["machine"]
     assert "[PASS]" in proc.stdout or "[MISS]" in proc.stdout

@@ -380,3 +380,32 @@ def test_float8_fsdp_all_gather(tmp_path, tmp_path_factory):
     assert [float8.losses[s] for s in steps] == pytest.approx(
         [plain.losses[s] for s in steps], rel=2e-2
     )
+
+
+def test_default_config_chooses_ns_dtype_and_backend_once_and_caches(tmp_path, monkeypatch):
+    """The default config's ``ns_dtype = "auto"`` and ``ns_backend = "auto"``: the log names
+    the dtype and why (fp32 on a CPU without native bf16), agreed by both ranks; the
+    backends are picked before step 1 within the 5 s budget, and a second run finds every
+    timing in the disk cache and measures nothing."""
+    monkeypatch.setenv("TORCHTITAN_DMUON_CACHE_DIR", str(tmp_path / "cache"))
+    short = ["--training.steps", "2", "--metrics.log_freq", "1"]
+    case = OverrideDefinitions([short, short], "defaults", "defaults")
+    first, second = run_case(case, tmp_path)
+    chose = re.search(r"ns_dtype='auto' chose torch\.(\w+): (.*); agreed by 2 ranks", first.output)
+    assert chose, first.output[-3000:]
+    capability = torch.backends.cpu.get_cpu_capability()
+    assert capability in chose.group(2)
+    if not (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()):
+        assert chose.group(1) == "float32" and "no native bf16" in chose.group(2)
+    picked = re.compile(
+        r"ns_backend='auto' for torch\.\w+ on 2 rank\(s\): (.*) \(this rank: (\d+) shapes "
+        r"measured, (\d+) from the cache, ([\d.]+) s\)"
+    )
+    (pick1, measured1, cached1, seconds1), (pick2, measured2, cached2, _) = (
+        picked.search(run.output).groups() for run in (first, second)
+    )
+    # debug llama3: wq/wk/wv/wo 256x256, w1/w3 768x256, w2 256x768, each run by rank 0.
+    assert [p.split()[0] for p in pick1.split(", ")] == ["256x256", "256x768", "768x256"]
+    assert pick2 == pick1
+    assert (int(measured1), int(cached1)) == (3, 0) and float(seconds1) <= 5
+    assert (int(measured2), int(cached2)) == (0, 3)
