@@ -145,3 +145,13 @@ def test_muon_trains_like_torch_backend():
     torch.testing.assert_close(losses["triton"], losses["torch"], rtol=1e-4, atol=0)
     for p, q in zip(models["triton"].parameters(), models["torch"].parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
+
+
+def test_muon_refuses_triton_where_it_cannot_run(monkeypatch):
+    """Without CUDA (and without the interpreter) ``ns_backend="triton"`` is refused by the
+    constructor, naming the flag, instead of failing in the first step on the owners."""
+    if torch.cuda.is_available():
+        pytest.skip("CUDA runs the kernels")
+    monkeypatch.setattr(triton_ns, "INTERPRET", False)
+    with pytest.raises(ValueError, match="ns_backend='triton' needs CUDA.*'torch', 'gram'"):
+        Muon(make_model(), ns_backend="triton", predicate=proj_predicate)

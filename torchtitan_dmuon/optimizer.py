@@ -29,7 +29,7 @@ from torchtitan_dmuon.engine.api import mesh_device
 from torchtitan_dmuon.engine.selection import select_matrices
 from torchtitan_dmuon.optim.muon import ADJUST_LR_FNS, muon_step
 from torchtitan_dmuon.optim.newton_schulz import EPS, matrix_count, resolve_ns_schedule
-from torchtitan_dmuon.optim.ns_backends import bind_ns, get_ns_backend
+from torchtitan_dmuon.optim.ns_backends import bind_ns, check_ns_backend
 from torchtitan_dmuon.optim.ns_dtype import NSDtypeVerdict, parse_ns_dtype
 
 __all__ = ["Muon"]
@@ -130,7 +130,6 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
         ns_dtype = parse_ns_dtype(ns_dtype)
         schedule = resolve_ns_schedule(ns_coefficients, ns_steps)  # validates both
-        get_ns_backend(ns_backend)
 
         self.dedication = get_dedication(model)
         if self.dedication is not None:
@@ -148,6 +147,8 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(
                 "replicate_async=True needs dedicate_params(..., replicate_mesh=...) (HSDP)"
             )
+        # Before the first collective: every rank refuses alike (one device type per job).
+        check_ns_backend(ns_backend, self._ns_device(muon_params))
         muon_ids = {id(p) for p in muon_params}
         adamw_params = [p for p in model.parameters() if p.requires_grad and id(p) not in muon_ids]
 

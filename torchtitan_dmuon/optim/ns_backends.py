@@ -37,6 +37,7 @@ __all__ = [
     "auto_key",
     "auto_newton_schulz",
     "bind_ns",
+    "check_ns_backend",
     "choose_ns_backend",
     "get_ns_backend",
     "measure_backends",
@@ -257,6 +258,28 @@ def get_ns_backend(name: str) -> NSBackend:
     if name not in NS_BACKENDS:
         raise ValueError(f"ns_backend must be one of {sorted(NS_BACKENDS)}, got {name!r}")
     return NS_BACKENDS[name]
+
+
+def check_ns_backend(name: str, device: torch.device) -> None:
+    """Refuse a backend that cannot run on ``device``, before any step: ``"triton"`` needs
+    the triton package, and CUDA tensors unless its interpreter is on.
+
+    Raises:
+        ValueError: ``name`` is unknown or cannot run here.
+    """
+    get_ns_backend(name)
+    if name != "triton":
+        return
+    try:
+        from torchtitan_dmuon.optim.kernels import triton_ns
+    except ImportError as err:
+        raise ValueError(f"ns_backend='triton' needs the triton package: {err}") from err
+    if device.type != "cuda" and not triton_ns.INTERPRET:
+        raise ValueError(
+            f"ns_backend='triton' needs CUDA, and the Newton-Schulz runs on {device.type} "
+            "here: choose 'torch', 'gram' or 'auto' (or set TRITON_INTERPRET=1 before "
+            "importing torchtitan_dmuon to run the kernels, slowly, in Triton's interpreter)"
+        )
 
 
 def bind_ns(name: str, schedule: NSSchedule, *, eps: float, dtype: torch.dtype):
