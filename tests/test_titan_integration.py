@@ -5,6 +5,7 @@ real training runs through ./run_train.sh on CPU (gloo), asserting on the logged
 from __future__ import annotations
 
 import copy
+import dataclasses
 import fnmatch
 import math
 import os
@@ -15,6 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from torchtitan_dmuon.titan.parallelize import resolve_selection
 
 ROOT = Path(__file__).resolve().parents[1]
 LOSS = re.compile(r"step:\s*(\d+)\s+loss:\s*(\S+)")
@@ -54,8 +57,10 @@ class Run:
     """The run's ``--job.dump_folder`` (its checkpoints are under ``checkpoint/``)."""
 
 
-def run_train(args: list[str], ngpu: int, dump: Path, config_file: str, log_rank: int = 0) -> Run:
-    env = dict(os.environ, NGPU=str(ngpu), LOG_RANK=str(log_rank))
+def train_env(ngpu: int, dump: Path, log_rank: int = 0, **extra: str) -> dict[str, str]:
+    """The environment of one ``./run_train.sh`` launch into ``dump`` (``extra``: more
+    variables, e.g. a node's ``NODE_RANK``)."""
+    env = dict(os.environ, NGPU=str(ngpu), LOG_RANK=str(log_rank), **extra)
     # As a user runs it: conftest's Triton interpreter would hide Triton-only paths.
     env.pop("TRITON_INTERPRET", None)
     # An Inductor cache of its own: torch 2.13's FX graph cache can hand one rank's
@@ -67,20 +72,33 @@ def run_train(args: list[str], ngpu: int, dump: Path, config_file: str, log_rank
     logs = Path(str(dump) + "_logs")
     env["PET_LOG_DIR"] = str(logs)
     env["PYTHONFAULTHANDLER"] = "1"
+    return env
+
+
+def train_command(args: list[str], dump: Path, config_file: str) -> list[str]:
     cmd = ["./run_train.sh", "--job.config_file", config_file, "--job.dump_folder", str(dump)]
+    return [*cmd, *[a.replace("{dump}", str(dump.parent)) for a in args]]
+
+
+def finished_run(returncode: int, output: str, dump: Path) -> Run:
+    """A :class:`Run` from a launch's exit code and output (with the stacks of ranks that
+    died of a signal, when it failed)."""
+    losses = {int(s): float(v) for s, v in LOSS.findall(output)}
+    if returncode != 0:
+        output += _fatal_errors(Path(str(dump) + "_logs"))
+    return Run(returncode, output, losses, dump)
+
+
+def run_train(args: list[str], ngpu: int, dump: Path, config_file: str, log_rank: int = 0) -> Run:
     proc = subprocess.run(
-        [*cmd, *[a.replace("{dump}", str(dump.parent)) for a in args]],
+        train_command(args, dump, config_file),
         cwd=ROOT,
-        env=env,
+        env=train_env(ngpu, dump, log_rank),
         capture_output=True,
         text=True,
         timeout=900,
     )
-    output = proc.stdout + proc.stderr
-    losses = {int(s): float(v) for s, v in LOSS.findall(output)}
-    if proc.returncode != 0:
-        output += _fatal_errors(logs)
-    return Run(proc.returncode, output, losses, dump)
+    return finished_run(proc.returncode, proc.stdout + proc.stderr, dump)
 
 
 def _fatal_errors(logs: Path) -> str:
@@ -356,25 +374,11 @@ def test_moe_configs_select_what_a_muon_user_would(config_name):
     models included): every pattern matches, the selection is the attention and FFN /
     expert weight matrices and the routed-expert stacks, and never a bias, an attention
     sink, a norm, the router gate, the embeddings or the output head."""
-    from torchtitan.config import ConfigManager
-    from torchtitan.protocols.train_spec import get_train_spec
 
     from torchtitan_dmuon.engine.selection import select_matrices
     from torchtitan_dmuon.titan.parallelize import muon_predicate
 
-    cfg = ConfigManager().parse_args(
-        [
-            "--job.config_file",
-            str(ROOT / "train_configs" / config_name),
-            "--job.custom_config_module",
-            "torchtitan_dmuon.titan.config",
-        ]
-    )
-    spec = get_train_spec(cfg.model.name)
-    model_args = copy.deepcopy(spec.model_args[cfg.model.flavor])
-    model_args.update_from_config(cfg)  # as the trainer does
-    with torch.device("meta"):
-        model = spec.model_cls(model_args)
+    cfg, model = _meta_model("--job.config_file", str(ROOT / "train_configs" / config_name))
     selected = select_matrices(model, muon_predicate(cfg.dmuon))
     names = [name for name, _ in selected]
     for pattern in cfg.dmuon.params:
@@ -384,3 +388,64 @@ def test_moe_configs_select_what_a_muon_user_would(config_name):
     stacks = [n for n, p in selected if p.ndim == 3]
     assert all(".moe.experts." in n for n in stacks)
     assert (len(selected) - len(stacks), len(stacks)) == MOE_SELECTIONS[config_name]
+    # The model's default selection ([dmuon] params and hook_boundaries unset) is the same.
+    unset = copy.deepcopy(cfg)
+    unset.dmuon = dataclasses.replace(cfg.dmuon, params=[], hook_boundaries=[])
+    default = resolve_selection(model, unset)
+    assert [n for n, _ in select_matrices(model, muon_predicate(default))] == names
+    assert default.hook_boundaries == cfg.dmuon.hook_boundaries
+    assert unset.dmuon is default  # one selection for every part and the optimizer
+
+
+def _meta_model(*args: str):
+    """TorchTitan's JobConfig from ``args`` (with [dmuon]) and its model on meta."""
+    from torchtitan.config import ConfigManager
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    cfg = ConfigManager().parse_args(
+        [*args, "--job.custom_config_module", "torchtitan_dmuon.titan.config"]
+    )
+    spec = get_train_spec(cfg.model.name)
+    model_args = copy.deepcopy(spec.model_args[cfg.model.flavor])
+    model_args.update_from_config(cfg)  # as the trainer does
+    with torch.device("meta"):
+        model = spec.model_cls(model_args)
+    return cfg, model
+
+
+# (model, flavor): (2-D matrices, 3-D expert stacks) of its default selection.
+DEFAULT_SELECTIONS = {
+    ("llama3", "debugmodel"): (42, 0),
+    ("llama3", "8B"): (32 * 7, 0),
+    ("qwen3", "debugmodel"): (56, 0),
+    ("qwen3", "debugmodel_moe"): (32, 24),
+    ("llama4", "debugmodel"): (42, 9),
+    ("deepseek_v3", "debugmodel"): (42, 15),
+    ("deepseek_v3", "671B"): (61 * 5 + 3 * 3 + 58 * 3, 58 * 3),  # wq_a and wq_b: query LoRA
+    ("gpt_oss", "debugmodel"): (16, 8),
+}
+
+
+@pytest.mark.parametrize("model_flavor", sorted(DEFAULT_SELECTIONS))
+def test_each_model_has_a_default_selection(model_flavor):
+    """With the default config (llama3's patterns left out, [dmuon] params unset) each
+    model DMuon wraps selects its attention, FFN and expert matrices; a pattern that
+    matches nothing names the model and its default selection."""
+    from torchtitan_dmuon.engine.selection import select_matrices
+    from torchtitan_dmuon.titan.parallelize import muon_predicate
+
+    name, flavor = model_flavor
+    cfg, model = _meta_model("--model.name", name, "--model.flavor", flavor)
+    cfg.dmuon = dataclasses.replace(cfg.dmuon, params=[])
+    selected = select_matrices(model, muon_predicate(resolve_selection(model, cfg)))
+    stacks = [n for n, p in selected if p.ndim == 3]
+    assert (len(selected) - len(stacks), len(stacks)) == DEFAULT_SELECTIONS[model_flavor]
+    kept_on_adamw = ("bias", "sinks", "norm", "router", "embeddings", "output")
+    assert not [n for n, _ in selected if any(word in n for word in kept_on_adamw)]
+
+    cfg.dmuon = dataclasses.replace(cfg.dmuon, params=["layers.*.nonexistent.weight"])
+    with pytest.raises(ValueError) as error:
+        resolve_selection(model, cfg)
+    message = str(error.value)
+    assert f"matches no parameter of model {name} ({flavor})" in message
+    assert "its default selection (leave [dmuon] params empty) is ['layers.*.attention" in message

@@ -21,23 +21,66 @@ DEFAULT_PARAM_PATTERNS = (
 )
 """The attention and feed-forward projection matrices of TorchTitan's llama3/qwen3/llama4."""
 
+_MOE_PATTERNS = ("layers.*.moe.shared_experts.w[123].weight", "layers.*.moe.experts.w[123]")
+_MOE_BOUNDARIES = ("layers.*.moe", "layers.*.moe.experts")
+
+
+@dataclass(frozen=True)
+class ModelSelection:
+    """What DMuon takes of a model when ``[dmuon] params`` is left empty: the patterns of
+    it that match the model's flavor (a dense flavor has no experts), and likewise the
+    hook boundaries when ``[dmuon] hook_boundaries`` is empty."""
+
+    params: tuple[str, ...]
+    hook_boundaries: tuple[str, ...] = ()
+
+
+MODEL_SELECTIONS = {
+    "llama3": ModelSelection(DEFAULT_PARAM_PATTERNS),
+    "qwen3": ModelSelection(DEFAULT_PARAM_PATTERNS + _MOE_PATTERNS, _MOE_BOUNDARIES),
+    "llama4": ModelSelection(DEFAULT_PARAM_PATTERNS + _MOE_PATTERNS, _MOE_BOUNDARIES),
+    # MLA: the query (wq, or wq_a / wq_b with a query LoRA), the compressed key-value
+    # projections and the output; kv_norm, the router gate and the norms stay on AdamW.
+    "deepseek_v3": ModelSelection(
+        (
+            "layers.*.attention.wq.weight",
+            "layers.*.attention.wq_[ab].weight",
+            "layers.*.attention.wkv_[ab].weight",
+            "layers.*.attention.wo.weight",
+            "layers.*.feed_forward.w[123].weight",
+            *_MOE_PATTERNS,
+        ),
+        _MOE_BOUNDARIES,
+    ),
+    # Attention and expert weights; every bias, the attention sinks and the router on AdamW.
+    "gpt_oss": ModelSelection(
+        ("layers.*.attention.w[qkvo].weight", "layers.*.moe.experts.mlp[12]_weight"),
+        _MOE_BOUNDARIES,
+    ),
+}
+"""The default selection of each model DMuon wraps (``torchtitan_dmuon.titan.MODELS``):
+what a Muon user picks, the matrices of attention and of the dense and expert FFNs."""
+
 
 @dataclass
 class DMuon:
     """Dedicated-ownership Muon, one owner rank per matrix ([optimizer] name = "DMuon")."""
 
-    params: list[str] = field(default_factory=lambda: list(DEFAULT_PARAM_PATTERNS))
+    params: list[str] = field(default_factory=list)
     """Glob patterns over parameter names (activation-checkpoint and compile wrapper
     prefixes removed) that select the matrices DMuon owns; each must match at least one
     parameter, and every match must be a 2-D matrix or a 3-D stack of matrices (MoE routed
-    experts, e.g. "layers.*.moe.experts.w[123]": one owner for the stack, each expert
-    orthogonalized on its own). The rest goes to AdamW."""
+    experts, e.g. "layers.*.moe.experts.w[123]": split among owners, each expert
+    orthogonalized on its own). The rest goes to AdamW. Empty (the default): the model's
+    own selection (MODEL_SELECTIONS in torchtitan_dmuon/titan/config.py: the attention,
+    dense FFN and expert matrices), as far as its flavor has them."""
 
     hook_boundaries: list[str] = field(default_factory=list)
     """Glob patterns over module names that become hook boundaries besides the transformer
     blocks (the innermost boundary of a matrix drives its broadcasts and reduce), e.g.
     ["layers.*.moe", "layers.*.moe.experts"] to align with MoE and expert modules. Empty:
-    the blocks only (as fully_shard)."""
+    with params empty too, the model's own (its MoE and expert modules, where it has
+    them); else the blocks only (as fully_shard)."""
 
     reshard_after_forward: bool | None = None
     """True: Z3 (free non-owned matrices after forward, broadcast again before backward).

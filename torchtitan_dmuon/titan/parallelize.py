@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import fnmatch
 import functools
 import weakref
@@ -27,13 +28,14 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan_dmuon.engine import attach_pipeline_stage, dedicate_params
 from torchtitan_dmuon.engine.plan import default_boundary_modules
-from torchtitan_dmuon.titan.config import DMuon
+from torchtitan_dmuon.titan.config import MODEL_SELECTIONS, DMuon
 
 __all__ = [
     "DMUON",
     "clean_fqn",
     "dmuon_settings",
     "muon_predicate",
+    "resolve_selection",
     "with_dedication",
     "with_pipeline_stages",
 ]
@@ -78,19 +80,54 @@ def _matches(name: str, patterns: list[str]) -> bool:
     return any(fnmatch.fnmatchcase(clean_fqn(name), p) for p in patterns)
 
 
-def _check_each_matches(patterns: list[str], names: list[str], key: str, what: str) -> None:
-    for pattern in patterns:
-        if not any(_matches(n, [pattern]) for n in names):
-            raise ValueError(f"[dmuon] {key}: pattern {pattern!r} matches no {what}")
+def _matching(patterns, names: list[str]) -> list[str]:
+    return [p for p in patterns if any(_matches(n, [p]) for n in names)]
 
 
-def _check_patterns(model: nn.Module, settings: DMuon) -> None:
-    """Every ``[dmuon]`` pattern matches something in the whole model (a pipeline stage
-    holds only a part of it, so there the check runs before the split)."""
-    names = [name for name, _ in model.named_parameters()]
-    _check_each_matches(settings.params, names, "params", "parameter")
+def resolve_selection(model: nn.Module, job_config) -> DMuon:
+    """``job_config.dmuon`` with the model's default selection filled in where ``params``
+    is empty, checked on the whole model (a pipeline stage holds only a part of it, so
+    there this runs before the split): every given pattern must match something.
+    ``job_config.dmuon`` becomes the resolved section, so each part and the optimizer
+    read one selection.
+
+    Raises:
+        ValueError: A pattern matches nothing, naming the model and its default selection.
+    """
+    settings = job_config.dmuon
+    params = [name for name, _ in model.named_parameters()]
     modules = [name for name, _ in model.named_modules()]
-    _check_each_matches(settings.hook_boundaries, modules, "hook_boundaries", "module")
+    model_name = f"{job_config.model.name} ({job_config.model.flavor})"
+    default = MODEL_SELECTIONS.get(job_config.model.name)
+    if not settings.params:
+        if default is None or not _matching(default.params, params):
+            raise ValueError(
+                f"[dmuon] params is empty and model {model_name} has no default selection "
+                "that matches its parameters: name the matrices DMuon should take"
+            )
+        settings = dataclasses.replace(
+            settings,
+            params=_matching(default.params, params),
+            hook_boundaries=settings.hook_boundaries or _matching(default.hook_boundaries, modules),
+        )
+        job_config.dmuon = settings
+    for key, names, what in (
+        ("params", params, "parameter"),
+        ("hook_boundaries", modules, "module"),
+    ):
+        for pattern in getattr(settings, key):
+            if not _matching([pattern], names):
+                hint = ""
+                if default is not None:
+                    hint = (
+                        f"; its default selection (leave [dmuon] {key} empty) is "
+                        f"{list(getattr(default, key)) or 'the blocks only'}"
+                    )
+                raise ValueError(
+                    f"[dmuon] {key}: pattern {pattern!r} matches no {what} of model "
+                    f"{model_name}{hint}"
+                )
+    return settings
 
 
 def muon_predicate(settings: DMuon):
@@ -166,9 +203,9 @@ def with_dedication(parallelize_fn: Callable) -> Callable:
         if job_config.optimizer.name != DMUON:
             return parallelize_fn(model, parallel_dims, job_config)
         settings = job_config.dmuon
-        if not parallel_dims.pp_enabled:  # else checked on the whole model, before the split
+        if not parallel_dims.pp_enabled:  # else resolved on the whole model, before the split
             _check_expert_parallel(model, parallel_dims)
-            _check_patterns(model, settings)
+            settings = resolve_selection(model, job_config)
         # A pipeline stage may hold no selected matrix (only the embeddings, or the final
         # norm and output): it is then AdamW alone, on TorchTitan's own data parallelism.
         selects = any(_matches(name, settings.params) for name, _ in model.named_parameters())
@@ -236,7 +273,7 @@ def with_pipeline_stages(pipelining_fn: Callable) -> Callable:
         if job_config.optimizer.name != DMUON:
             return pipelining_fn(model, parallel_dims, job_config, *args, **kwargs)
         _check_expert_parallel(model, parallel_dims)
-        _check_patterns(model, job_config.dmuon)
+        resolve_selection(model, job_config)
 
         def build_pipeline_schedule(job_config_, stages, loss_fn):
             for stage in stages:
