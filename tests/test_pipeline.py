@@ -223,22 +223,27 @@ def test_schedule_matches_one_process_muon(case, pipeline_runs, reference):
 
 
 def misuse_worker(rank, world):
-    """A schedule that never marks a last backward, a stage attached twice, a non-stage:
-    clear errors on every rank, and the group still usable."""
+    """A schedule that never marks a last backward, a stage attached twice, a non-stage, a
+    stage whose module was not dedicated: clear errors on every rank, and the group still
+    usable."""
     mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("pp", "dp"))
     model = make_model(seed=0, **MODEL)
     dedicate_params(model, mesh["dp"], proj_predicate)
     opt = Muon(model, ns_dtype=torch.float32)
     stage = PipelineStage(model, 0, 1, torch.device("cpu"), group=mesh["pp"].get_group())
     attach_pipeline_stage(stage)
+    undedicated = PipelineStage(
+        make_model(seed=0, **MODEL), 0, 1, torch.device("cpu"), group=mesh["pp"].get_group()
+    )
     raised = {}
     for name, misuse in {
         "twice": lambda: attach_pipeline_stage(stage),
         "not_a_stage": lambda: attach_pipeline_stage(model),
+        "undedicated": lambda: attach_pipeline_stage(undedicated),
     }.items():
         try:
             misuse()
-        except (RuntimeError, TypeError) as e:
+        except (RuntimeError, TypeError, ValueError) as e:
             raised[name] = str(e)
 
     inputs, targets = data_for(0, rank, world, False)
@@ -265,5 +270,6 @@ def test_stage_misuse_raises_clear_errors():
         assert alive
         assert "already attached" in raised["twice"]
         assert "must be a pipeline stage" in raised["not_a_stage"]
+        assert "pipeline stage 0's module has no dedication" in raised["undedicated"]
         assert "pipeline stage 0 has not reduced" in raised["no_last_backward"]
         assert "last_backward" in raised["no_last_backward"]

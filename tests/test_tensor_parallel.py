@@ -72,7 +72,23 @@ def tp_worker(rank, world, ns_backend):
         "ns_matrices": opt.ns_matrices,
         "owned": len(dedication.primary_params()),
         "layout_error": _layout_error(mesh),
+        "tp_mesh_error": _tp_mesh_error(mesh),
     }
+
+
+def _tp_mesh_error(mesh) -> str:
+    """The TP mesh passed where the data-parallel mesh belongs: refused before any
+    collective, saying which mesh to pass."""
+    model = _model()
+    for block in model.layers:
+        parallelize_module(
+            block, mesh["tp"], {"up_proj": ColwiseParallel(), "down_proj": RowwiseParallel()}
+        )
+    try:
+        dedicate_params(model, mesh["tp"], proj_predicate)
+    except ValueError as e:
+        return str(e)
+    return ""
 
 
 def _layout_error(mesh) -> str:
@@ -123,3 +139,5 @@ def test_tensor_parallel_matches_one_process(ns_backend):
             assert "tp_all_reduce" not in r["stats"]["bytes"]
         assert "layers.0.up_proj.weight" in r["layout_error"]
         assert "over a 1-D mesh" in r["layout_error"]
+        assert r["tp_mesh_error"].startswith("mesh: ranks ")
+        assert "pass the data-parallel mesh" in r["tp_mesh_error"]

@@ -250,6 +250,23 @@ def _layout_error(table: list[list[int]], dim: str) -> Exception | None:
     return None
 
 
+def _check_orthogonal(mesh: DeviceMesh, tp_mesh: DeviceMesh | None) -> None:
+    """The data-parallel ``mesh`` and the tensor-parallel one share this rank only.
+
+    Raises:
+        ValueError: ``mesh`` holds other ranks of the TP mesh (the TP mesh was passed).
+    """
+    if tp_mesh is None:
+        return
+    shared = set(mesh.mesh.flatten().tolist()) & set(tp_mesh.mesh.flatten().tolist())
+    if len(shared) > 1:
+        raise ValueError(
+            f"mesh: ranks {sorted(shared)} of it are also the tensor-parallel mesh of the "
+            "selected DTensors; pass the data-parallel mesh (e.g. world_mesh['dp']): "
+            "dedicate_params finds the tensor-parallel mesh from the DTensors"
+        )
+
+
 def _tensor_parallel_mesh(selected: list[tuple[str, nn.Parameter]]) -> DeviceMesh | None:
     """The one 1-D mesh the tensor-parallel (DTensor) matrices are sharded over, or None.
 
@@ -448,6 +465,7 @@ def dedicate_params(
     if not selected:
         raise ValueError("predicate selected no trainable 2-D or 3-D parameter")
     tp_mesh = _tensor_parallel_mesh(selected)
+    _check_orthogonal(mesh, tp_mesh)
     expert_columns = None
     expert_mesh = _expert_domain_mesh(selected, mesh, expert_mesh, tp_mesh)
     if expert_mesh is not None:

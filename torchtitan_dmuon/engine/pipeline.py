@@ -26,18 +26,23 @@ def attach_pipeline_stage(stage: _PipelineStageBase) -> None:
     """Make ``stage`` drive the dedication of its module (``stage.submod``).
 
     Call it on every rank, once per stage, after ``dedicate_params`` (and ``fully_shard``)
-    on the stage's module and before the schedule's first step. A stage whose module was
-    not dedicated is left alone.
+    on the stage's module and before the schedule's first step. A stage whose module holds
+    no selected matrix needs no call (it has no dedication: plain FSDP2 and AdamW).
 
     Raises:
         TypeError: ``stage`` is not a pipeline stage.
+        ValueError: the stage's module has no dedication.
         RuntimeError: the stage was attached already.
     """
     if not isinstance(stage, _PipelineStageBase):
         raise TypeError(f"stage must be a pipeline stage, got {type(stage).__name__}")
     dedication = get_dedication(stage.submod)
     if dedication is None:
-        return
+        raise ValueError(
+            f"stage: pipeline stage {stage.stage_index}'s module has no dedication; call "
+            "dedicate_params on it (before fully_shard) first, or leave a stage without "
+            "selected matrices unattached"
+        )
     if dedication.pipeline_stage is not None:
         raise RuntimeError(f"pipeline stage {stage.stage_index} is already attached to DMuon")
     dedication.pipeline_stage = stage.stage_index

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from torchtitan_dmuon.engine import attach_pipeline_stage, dedicate_params
+from torchtitan_dmuon.engine import attach_pipeline_stage, dedicate_params, get_dedication
 from torchtitan_dmuon.engine.plan import default_boundary_modules
 from torchtitan_dmuon.titan.config import MODEL_SELECTIONS, DMuon
 
@@ -277,7 +277,8 @@ def with_pipeline_stages(pipelining_fn: Callable) -> Callable:
 
         def build_pipeline_schedule(job_config_, stages, loss_fn):
             for stage in stages:
-                attach_pipeline_stage(stage)
+                if get_dedication(stage.submod) is not None:  # else AdamW alone
+                    attach_pipeline_stage(stage)
             return originals["build_pipeline_schedule"](job_config_, stages, loss_fn)
 
         namespace = pipelining_fn.__globals__
