@@ -234,8 +234,8 @@ def worker(rank: int, world: int, args, store: str, result_path: str) -> None:
     dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
     device = _device()
     if args.ns_dtype == "auto":
-        # What Muon(ns_dtype="auto") runs, agreed by all ranks; naive Muon runs it too.
-        verdict = job_ns_dtype(device, distributed=True)
+        # What Muon(ns_dtype="auto") runs here (one machine); naive Muon runs it too.
+        verdict = job_ns_dtype(device, None)
         args.ns_dtype = str(verdict.dtype).removeprefix("torch.")
         args.ns_dtype_reason = verdict.reason
     modes = list(args.modes)

@@ -175,7 +175,7 @@ def test_auto_dtype_is_fp32_without_native_bf16(monkeypatch):
 
 
 def test_muon_names_a_dtype_or_takes_the_local_verdict(monkeypatch):
-    monkeypatch.setattr(agreement, "_dtype_verdicts", {})
+    monkeypatch.setattr(agreement, "_local_verdicts", {})
     model = make_model()
     assert Muon(model, ns_dtype=torch.bfloat16).ns_dtype == torch.bfloat16
     assert Muon(model, ns_dtype="float32").ns_dtype == torch.float32
@@ -284,3 +284,34 @@ def test_a_second_job_reads_the_cache_and_measures_nothing(tmp_path):
     assert all(r.measured == 0 and r.cached > 0 for r in second)
     assert all(r.picks == first[0].picks for r in first + second)
     assert first[0].seconds < 5 and all(r.seconds < 1 for r in second)
+
+
+def uneven_parts_worker(rank, world):
+    """Pipeline-like: on a (pp 2, dp 2) mesh, the ranks of pp row 0 build two dedicated
+    parts, those of row 1 one (a stage that holds only embeddings has none); each part
+    dedicated over its row's dp mesh, with both choices on "auto"."""
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "dp"))
+    row, dp = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    picks = []
+    for part in range(2 if row == 0 else 1):
+        model = make_model(seed=part, dim=64, hidden=128, layers=1)
+        dedicate_params(model, mesh["dp"], proj_predicate)
+        opt = Muon(model, ns_backend="auto")
+        inputs, targets = batch(100 + part, 4)
+        loss_fn(model, inputs[2 * dp : 2 * dp + 2], targets[2 * dp : 2 * dp + 2]).backward()
+        opt.step()
+        picks.append((opt.ns_backend_report.picks, opt.chosen_ns_dtype.dtype))
+    return row, picks
+
+
+def test_ranks_with_more_dedicated_parts_than_others_agree_within_each_dedication():
+    """Each dedication agrees over its own ranks only, so a rank that builds more dedicated
+    parts than the ranks of another pipeline row neither hangs nor mixes their timings;
+    the two ranks of each row hold the same picks and dtype for each of their parts."""
+    by_rank = run_distributed(uneven_parts_worker, 4, timeout=120)
+    rows = {}
+    for row, picks in by_rank:
+        rows.setdefault(row, []).append(picks)
+    for row, members in rows.items():
+        assert len(members) == 2 and members[0] == members[1], (row, members)
+        assert len(members[0]) == (2 if row == 0 else 1)

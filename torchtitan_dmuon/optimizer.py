@@ -62,14 +62,15 @@ class Muon(torch.optim.Optimizer):
             list of per-step triples.
         ns_dtype: Newton-Schulz compute dtype, or ``"auto"`` (the default): bf16 where
             the device multiplies bf16 natively and fast (CUDA, CPUs with AVX512-BF16 or
-            AMX), fp32 elsewhere (see ``optim.ns_dtype``), decided once per process and,
-            after :func:`dedicate_params`, agreed by every rank (a collective over the
-            default process group, in this constructor). ``chosen_ns_dtype`` says why.
+            AMX), fp32 elsewhere (see ``optim.ns_dtype``), probed once per process and,
+            after :func:`dedicate_params`, agreed by every rank of the dedication (small
+            all-gathers over its groups, in this constructor). ``chosen_ns_dtype`` says
+            why.
         ns_backend: Newton-Schulz implementation (see ``optim.ns_backends``). With
             ``"auto"`` the backend of every matrix shape is picked in this constructor,
             from timings read from the disk cache or measured, and after
-            :func:`dedicate_params` merged over every rank (a collective), so each shape
-            runs one backend on every rank. Under tensor parallelism the Gram all-reduce
+            :func:`dedicate_params` merged over every rank of the dedication, so each
+            shape runs one backend on all of them. Under tensor parallelism the Gram all-reduce
             path runs for ``"gram"`` and ``"auto"`` (where it moves fewer bytes); other
             backends orthogonalize the gathered matrix.
         adjust_lr_fn: ``None``/``"original"``, ``"match_rms_adamw"`` or ``"spectral"``.
@@ -204,7 +205,7 @@ class Muon(torch.optim.Optimizer):
         if ns_dtype != "auto":
             return NSDtypeVerdict(ns_dtype, "named")
         device = self._ns_device(muon_params)
-        return job_ns_dtype(device, distributed=self.dedication is not None)
+        return job_ns_dtype(device, self.dedication)
 
     def _choose_ns_backends(self, schedule, muon_params: list[nn.Parameter]) -> NSBackendReport:
         if self.dedication is not None:
@@ -220,7 +221,7 @@ class Muon(torch.optim.Optimizer):
             eps=self.eps,
             dtype=self.ns_dtype,
             device=self._ns_device(muon_params),
-            distributed=self.dedication is not None,
+            dedication=self.dedication,
         )
 
     def _make_adamw(

@@ -1,12 +1,15 @@
-"""Choices every rank of a job shares, made once before the first step.
+"""Choices the ranks of a dedication share, made once before the first step.
 
 ``ns_dtype="auto"`` and ``ns_backend="auto"`` are decided from what each process measures
 on its own device, and processes measure differently (other CPUs, timing noise). Two ranks
 that orthogonalize matrices of one shape with different backends, or TP peers that
 orthogonalize one gathered matrix each with its own, would round differently. So each
-rank's verdict goes to every rank (one small all-gather over the default process group,
-which every rank of the job joins while it builds its optimizer) and all of them merge
-the same list the same way.
+rank's verdict goes to every rank of the dedication and all of them merge the same list
+the same way: small all-gathers over its shard group, then its replicate group (HSDP),
+then its tensor-parallel group, each carrying what the earlier ones gathered (the
+experts' groups lie inside those). Exactly the ranks that build the dedication's ``Muon``
+join, so a rank holding more dedicated parts than another (pipeline stages) cannot
+mismatch the collectives of a group it is not in.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from torchtitan_dmuon.engine.dedication import Dedication
 from torchtitan_dmuon.optim.newton_schulz import NSSchedule
 from torchtitan_dmuon.optim.ns_backends import (
     auto_key,
@@ -28,45 +32,59 @@ from torchtitan_dmuon.optim.ns_backends import (
 )
 from torchtitan_dmuon.optim.ns_dtype import NSDtypeVerdict, local_ns_dtype
 
-__all__ = ["NSBackendReport", "agree_ns_backends", "job_ns_dtype"]
+__all__ = ["NSBackendReport", "agree_ns_backends", "gather_over", "job_ns_dtype"]
 
 logger = logging.getLogger(__name__)
 
-# One verdict per process and device type: "decided once per job". Keyed apart for a
-# job-wide (agreed) and a one-process verdict, since only the first is collective.
-_dtype_verdicts: dict[tuple[str, bool], NSDtypeVerdict] = {}
+# The local verdict is measured once per process and device type; agreeing it is per
+# dedication (its ranks differ from one dedication to another).
+_local_verdicts: dict[str, NSDtypeVerdict] = {}
+_logged: set[tuple] = set()
 
 
-def _all_gather(obj) -> list:
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
+def gather_over(dedication: Dedication | None, obj) -> list:
+    """``obj`` of every rank of ``dedication``, in global rank order (``[obj]`` without
+    one). A collective over the dedication's groups: every rank of it calls it."""
+    if dedication is None:
+        return [obj]
+    known = {dist.get_rank(): obj}
+    groups = [dedication.shard_group, dedication.tp_group]
+    if dedication.replicas is not None:
+        groups.insert(1, dedication.replicas.group)
+    for group in groups:
+        if group is None or dist.get_world_size(group) == 1:
+            continue
+        rows = [None] * dist.get_world_size(group)
+        dist.all_gather_object(rows, known, group=group)
+        for row in rows:
+            known.update(row)
+    return [known[rank] for rank in sorted(known)]
 
 
-def job_ns_dtype(device: torch.device, distributed: bool) -> NSDtypeVerdict:
-    """The Newton-Schulz dtype of ``ns_dtype="auto"`` for this job, decided at the first
-    call in this process and logged once.
+def _log_once(key: tuple, message: str, *args) -> None:
+    if key not in _logged:
+        _logged.add(key)
+        logger.info(message, *args)
 
-    Args:
-        device: Where the Newton-Schulz runs.
-        distributed: Agree with every rank of the default process group (a collective:
-            every rank calls it): bf16 only if every rank's verdict is bf16.
-    """
-    key = (device.type, distributed)
-    if key in _dtype_verdicts:
-        return _dtype_verdicts[key]
-    verdict = local_ns_dtype(device)
-    if distributed:
-        everyone = _all_gather((verdict.dtype == torch.bfloat16, verdict.reason))
-        slow = [(rank, reason) for rank, (fast, reason) in enumerate(everyone) if not fast]
+
+def job_ns_dtype(device: torch.device, dedication: Dedication | None) -> NSDtypeVerdict:
+    """The Newton-Schulz dtype of ``ns_dtype="auto"``: this process's verdict (probed once
+    per device type), agreed with every rank of ``dedication`` when there is one (a
+    collective: bf16 only if every rank's verdict is bf16). Logged once per process."""
+    if device.type not in _local_verdicts:
+        _local_verdicts[device.type] = local_ns_dtype(device)
+    verdict = _local_verdicts[device.type]
+    everyone = gather_over(dedication, (verdict.dtype == torch.bfloat16, verdict.reason))
+    if dedication is not None:
+        slow = [reason for fast, reason in everyone if not fast]
         if slow and verdict.dtype == torch.bfloat16:
-            rank, reason = slow[0]
-            verdict = NSDtypeVerdict(torch.float32, f"rank {rank}: {reason}")
+            verdict = NSDtypeVerdict(torch.float32, f"a peer rank: {slow[0]}")
         verdict = NSDtypeVerdict(
             verdict.dtype, f"{verdict.reason}; agreed by {len(everyone)} ranks"
         )
-    logger.info("dmuon: ns_dtype='auto' chose %s: %s", verdict.dtype, verdict.reason)
-    _dtype_verdicts[key] = verdict
+    _log_once(
+        ("dtype", verdict), "dmuon: ns_dtype='auto' chose %s: %s", verdict.dtype, verdict.reason
+    )
     return verdict
 
 
@@ -94,22 +112,22 @@ def agree_ns_backends(
     eps: float,
     dtype: torch.dtype,
     device: torch.device,
-    distributed: bool,
+    dedication: Dedication | None,
 ) -> NSBackendReport:
     """Pick the ``ns_backend="auto"`` backend of every matrix shape of the job and install
     the picks (:func:`~torchtitan_dmuon.optim.ns_backends.set_auto_choices`).
 
     Each rank times the shapes it orthogonalizes (``workload``: matrices per shape per
-    step), through the disk cache; with ``distributed`` (a collective: every rank of the
-    default process group calls it) every rank's timings go to all, and each shape's
-    backend is merged from the timings of every rank that runs it, weighted by how many
-    matrices it runs (:func:`~torchtitan_dmuon.optim.ns_backends.pick_backend`).
+    step), through the disk cache; with a ``dedication`` (a collective: every rank of it
+    calls it) every rank's timings go to all its ranks, and each shape's backend is merged
+    from the timings of every rank that runs it, weighted by how many matrices it runs
+    (:func:`~torchtitan_dmuon.optim.ns_backends.pick_backend`).
     """
     start = time.perf_counter()
     shapes = [s for s in sorted(workload) if needs_choice(device, s, dtype)]
     timings, measured = timings_for(shapes, schedule, eps=eps, dtype=dtype, device=device)
     mine = {shape: (workload[shape], timings[shape]) for shape in shapes}
-    everyone = _all_gather(mine) if distributed else [mine]
+    everyone = gather_over(dedication, mine)
     per_shape: dict[tuple[int, int], list] = {}
     for rows in everyone:
         for shape, measurement in rows.items():
