@@ -315,3 +315,26 @@ def test_ranks_with_more_dedicated_parts_than_others_agree_within_each_dedicatio
     for row, members in rows.items():
         assert len(members) == 2 and members[0] == members[1], (row, members)
         assert len(members[0]) == (2 if row == 0 else 1)
+
+
+def test_each_shape_is_timed_as_the_batch_it_runs(monkeypatch):
+    """A batch of same-shape matrices times unlike one matrix (on CPU, batched gram lost
+    to torch on 12 x 256x256 while gram won on one): each shape is timed as the whole
+    batch this rank orthogonalizes per step."""
+    measured = []
+    monkeypatch.setattr(
+        ns_backends,
+        "measure_backends",
+        lambda shape, *a, **k: (measured.append(tuple(shape)), {"torch": 2.0, "gram": 1.0})[1],
+    )
+    report = agreement.agree_ns_backends(
+        {(64, 64): 3, (64, 128): 1, (8, 8): 5},  # 8x8: too small to measure
+        SCHEDULE,
+        eps=1e-7,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        dedication=None,
+    )
+    assert sorted(measured) == [(3, 64, 64), (64, 128)]
+    assert report.picks == {(64, 64): "gram", (64, 128): "gram"} and report.measured == 2
+    assert choose_ns_backend(_randn(3, 64, 64), SCHEDULE, dtype=torch.float32) == "gram"

@@ -117,16 +117,18 @@ def agree_ns_backends(
     """Pick the ``ns_backend="auto"`` backend of every matrix shape of the job and install
     the picks (:func:`~torchtitan_dmuon.optim.ns_backends.set_auto_choices`).
 
-    Each rank times the shapes it orthogonalizes (``workload``: matrices per shape per
-    step), through the disk cache; with a ``dedication`` (a collective: every rank of it
-    calls it) every rank's timings go to all its ranks, and each shape's backend is merged
-    from the timings of every rank that runs it, weighted by how many matrices it runs
+    Each rank times the shapes it orthogonalizes, each as the batch it runs per step
+    (``workload``: matrices per shape), through the disk cache; with a ``dedication`` (a
+    collective: every rank of it calls it) every rank's timings go to all its ranks, and
+    each shape's backend is the one whose time summed over the ranks that run it is least
     (:func:`~torchtitan_dmuon.optim.ns_backends.pick_backend`).
     """
     start = time.perf_counter()
     shapes = [s for s in sorted(workload) if needs_choice(device, s, dtype)]
-    timings, measured = timings_for(shapes, schedule, eps=eps, dtype=dtype, device=device)
-    mine = {shape: (workload[shape], timings[shape]) for shape in shapes}
+    # Each shape's whole batch, as the optimizer runs it (a batch times unlike one matrix).
+    batches = {s: (workload[s], *s) if workload[s] > 1 else s for s in shapes}
+    timings, measured = timings_for(batches.values(), schedule, eps=eps, dtype=dtype, device=device)
+    mine = {shape: (1, timings[batches[shape]]) for shape in shapes}
     everyone = gather_over(dedication, mine)
     per_shape: dict[tuple[int, int], list] = {}
     for rows in everyone:

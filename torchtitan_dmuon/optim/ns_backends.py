@@ -9,8 +9,9 @@ in ``dtype`` and the input's shape. Registered backends:
   first use so that this package imports without Triton.
 * ``"gram"``: Gram Newton-Schulz (``optim.kernels.gram_ns``), fewer FLOPs on wide matrices.
 * ``"auto"``: per matrix shape, the fastest of them that is correct on this device. The
-  picks are made before training: :func:`measure_backends` times each backend on one
-  matrix of each shape (or reads the timings from the disk cache, :mod:`.ns_cache`),
+  picks are made before training: :func:`measure_backends` times each backend on the
+  batch of each shape that a rank orthogonalizes per step (or reads the timings from the
+  disk cache, :mod:`.ns_cache`),
   :func:`pick_backend` merges the timings of every rank that runs a shape, and
   :func:`set_auto_choices` installs the result, the same on every rank (the engine does
   that for a distributed job). A shape nobody picked for is measured in this process at
@@ -129,11 +130,12 @@ def measure_backends(
     dtype: torch.dtype,
     device: torch.device,
 ) -> Timings:
-    """Milliseconds of one Newton-Schulz of a random ``(rows, cols)`` matrix per backend
-    that runs here and is correct (within a loose tolerance of torch's result); torch is
-    always among them."""
+    """Milliseconds of one Newton-Schulz of a random ``shape`` (a ``(rows, cols)`` matrix
+    or a ``(batch, rows, cols)`` stack, as the optimizer batches same-shape matrices) per
+    backend that runs here and is correct (within a loose tolerance of torch's result);
+    torch is always among them."""
     generator = torch.Generator(device=device).manual_seed(0)
-    grad = torch.randn(*shape[-2:], generator=generator, device=device)
+    grad = torch.randn(*shape, generator=generator, device=device)
 
     def run(name: str) -> torch.Tensor:
         return NS_BACKENDS[name](grad, schedule, eps=eps, dtype=dtype)
@@ -156,14 +158,15 @@ def measure_backends(
 
 
 def timings_for(
-    shapes: Iterable[tuple[int, int]],
+    shapes: Iterable[tuple[int, ...]],
     schedule: NSSchedule,
     *,
     eps: float,
     dtype: torch.dtype,
     device: torch.device,
-) -> tuple[dict[tuple[int, int], Timings], int]:
-    """The timings of each shape, read from the disk cache or measured (and then saved).
+) -> tuple[dict[tuple[int, ...], Timings], int]:
+    """The timings of each (batched) shape, read from the disk cache or measured (and then
+    saved).
 
     Returns:
         The timings per shape, and how many shapes were measured (not in the cache).
@@ -185,10 +188,11 @@ def timings_for(
 def pick_backend(measurements: Sequence[tuple[int, Timings]]) -> str:
     """The backend for one shape from the timings of every rank that runs it.
 
-    Each measurement is ``(matrices that rank orthogonalizes per step, its timings)``; a
-    backend is a candidate if every measurement has it, and its cost is the sum over the
-    ranks of matrices x milliseconds. ``"torch"`` unless a candidate costs less than 97%
-    of it; ties go to the name, so every rank merging the same measurements agrees.
+    Each measurement is ``(weight, timings)``: timings of one rank's batch of the shape
+    with weight 1, or of one matrix with the number of matrices that rank runs. A backend
+    is a candidate if every measurement has it, and its cost is the weighted sum over the
+    ranks. ``"torch"`` unless a candidate costs less than 97% of it; ties go to the name,
+    so every rank merging the same measurements agrees.
     """
     names = set.intersection(*(set(timings) for _, timings in measurements))
     cost = {name: sum(count * t[name] for count, t in measurements) for name in names}
@@ -215,7 +219,7 @@ def choose_ns_backend(
         return "torch"
     key = auto_key(grad.device, grad.shape, dtype, schedule.steps)
     if key not in _auto_choices:
-        shape = key[1]
+        shape = tuple(grad.shape)
         timings, _ = timings_for([shape], schedule, eps=eps, dtype=dtype, device=grad.device)
         _auto_choices[key] = pick_backend([(1, timings[shape])])
         logger.info(

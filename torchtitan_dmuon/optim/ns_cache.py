@@ -3,9 +3,9 @@
 One JSON file, ``ns_backend_timings.json``, in ``$TORCHTITAN_DMUON_CACHE_DIR`` or else
 ``$XDG_CACHE_HOME/torchtitan_dmuon`` (``~/.cache/torchtitan_dmuon``), as Triton and
 Inductor keep theirs. Each entry holds the milliseconds of every correct backend for one
-matrix shape, keyed by what the timing depends on: the device (GPU name, or CPU model and
-torch's capability string), the torch version, the shape, the dtype and the number of
-steps. Ranks sharing a machine write it under a file lock; a missing, unreadable or
+(batched) matrix shape, keyed by what the timing depends on: the device (GPU name, or CPU
+model and torch's capability string), the torch version, the shape, the dtype and the
+number of steps. Ranks sharing a machine write it under a file lock; a missing, unreadable or
 corrupt file is an empty cache.
 
 This module does not import ``torch.distributed``.
@@ -54,9 +54,10 @@ def device_key(device: torch.device) -> str:
 
 
 def timing_key(device: str, shape: Sequence[int], dtype: torch.dtype, steps: int) -> str:
-    """One entry's key: ``device_key``, torch version, ``rows x cols``, dtype, steps."""
-    rows, cols = shape[-2:]
-    return f"{device} | torch {torch.__version__} | {rows}x{cols} | {dtype} | {steps} steps"
+    """One entry's key: ``device_key``, torch version, the (batched) shape as
+    ``[batch x ]rows x cols``, dtype, steps."""
+    dims = "x".join(str(int(d)) for d in shape)
+    return f"{device} | torch {torch.__version__} | {dims} | {dtype} | {steps} steps"
 
 
 def _read(path: pathlib.Path) -> dict[str, Timings]:
