@@ -4,15 +4,21 @@
 #   ./run_train.sh                                  # the embedded default: train_configs/debug_cpu.toml
 #   NGPU=4 ./run_train.sh --job.config_file train_configs/X.toml --section.key value ...
 #
-# NGPU: processes to launch (default: every local GPU, or 2 CPU processes on gloo where
-# there is no GPU). LOG_RANK: the ranks whose output is shown (default 0). The config file
-# named last on the command line is the one used (TorchTitan's own parser would silently
-# keep the first); every other argument is passed to TorchTitan as an override.
+# NGPU: processes to launch on this node (default: every local GPU, or 2 CPU processes on
+# gloo where there is no GPU). LOG_RANK: the local ranks whose output is shown (default 0).
+# The config file named last on the command line is the one used (TorchTitan's own parser
+# would silently keep the first); every other argument is passed to TorchTitan as an
+# override.
+#
+# Several nodes (run the same command on each, as multinode_trainer.slurm does):
+#   NNODES: the number of nodes (default 1: this machine alone).
+#   NODE_RANK with MASTER_ADDR (and MASTER_PORT, default 29500): a static rendezvous; node
+#     r's processes get the global ranks r * NGPU ... r * NGPU + NGPU - 1.
+#   or RDZV_ENDPOINT (host:port, and RDZV_ID, default torchtitan-dmuon): torchrun's c10d
+#     rendezvous, as TorchTitan's slurm script uses; ranks follow the order nodes join.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cd "$ROOT"
-./scripts/setup.sh
-VENV="${DMUON_VENV:-$ROOT/.venv}"
 
 CONFIG_FILE="${CONFIG_FILE:-train_configs/debug_cpu.toml}"
 overrides=()
@@ -50,6 +56,23 @@ if [[ -z "${NGPU:-}" ]]; then
   fi
 fi
 
-exec "$VENV/bin/torchrun" --nproc_per_node="$NGPU" --rdzv_backend c10d \
-  --rdzv_endpoint="localhost:0" --local-ranks-filter "${LOG_RANK:-0}" --role rank --tee 3 \
+NNODES="${NNODES:-1}"
+[[ "$NNODES" =~ ^[1-9][0-9]*$ ]] || { echo "run_train.sh: NNODES must be a positive integer, got '$NNODES'" >&2; exit 2; }
+if [[ "$NNODES" == 1 ]]; then
+  launch=(--rdzv_backend c10d --rdzv_endpoint "localhost:0")
+elif [[ -n "${NODE_RANK:-}" ]]; then
+  [[ "$NODE_RANK" =~ ^[0-9]+$ && "$NODE_RANK" -lt "$NNODES" ]] || { echo "run_train.sh: NODE_RANK must be in [0, $NNODES), got '$NODE_RANK'" >&2; exit 2; }
+  [[ -n "${MASTER_ADDR:-}" ]] || { echo "run_train.sh: NODE_RANK needs MASTER_ADDR (the address of node 0)" >&2; exit 2; }
+  launch=(--nnodes "$NNODES" --node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR" --master_port "${MASTER_PORT:-29500}")
+elif [[ -n "${RDZV_ENDPOINT:-}" ]]; then
+  launch=(--nnodes "$NNODES" --rdzv_backend c10d --rdzv_endpoint "$RDZV_ENDPOINT" --rdzv_id "${RDZV_ID:-torchtitan-dmuon}")
+else
+  echo "run_train.sh: NNODES=$NNODES needs NODE_RANK and MASTER_ADDR, or RDZV_ENDPOINT" >&2
+  exit 2
+fi
+
+./scripts/setup.sh
+VENV="${DMUON_VENV:-$ROOT/.venv}"
+exec "$VENV/bin/torchrun" --nproc_per_node="$NGPU" "${launch[@]}" \
+  --local-ranks-filter "${LOG_RANK:-0}" --role rank --tee 3 \
   -m torchtitan_dmuon.titan.train --job.config_file "$CONFIG_FILE" ${overrides[@]+"${overrides[@]}"}

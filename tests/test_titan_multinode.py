@@ -1,0 +1,125 @@
+"""Beyond one machine: ``./run_train.sh`` across two "nodes" on this machine (two launches
+of 2 processes each, rendezvous on 127.0.0.1) trains HSDP with the replicate dimension
+across the nodes, equal to the same run from one launch of 4 processes; once with a
+static rendezvous (``NODE_RANK``, ``MASTER_ADDR``), once through
+``multinode_trainer.slurm`` (torchrun's c10d rendezvous) under fake slurm commands."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.test_titan_integration import (
+    ROOT,
+    finished_run,
+    run_train,
+    train_command,
+    train_env,
+)
+
+CONFIG = "train_configs/debug_cpu.toml"
+# HSDP 2 x 2: each node holds one replica's two shards, the replicate groups cross nodes.
+ARGS = [
+    "--training.steps", "4", "--metrics.log_freq", "1",
+    "--dmuon.ns_dtype", "float32", "--dmuon.ns_backend", "torch",
+    "--parallelism.data_parallel_replicate_degree", "2",
+    "--parallelism.data_parallel_shard_degree", "2",
+    "--dmuon.replicate_async",
+]  # fmt: skip
+FAKE_SLURM = ROOT / "tests" / "fake_slurm"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(procs: list[subprocess.Popen], logs: list[Path], dumps: list[Path]) -> list:
+    runs = []
+    for proc, log, dump in zip(procs, logs, dumps, strict=True):
+        try:
+            proc.wait(timeout=900)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        runs.append(finished_run(proc.returncode, log.read_text(), dump))
+    return runs
+
+
+def _two_static_nodes(tmp_path: Path) -> list:
+    """Node r: ``NNODES=2 NODE_RANK=r MASTER_ADDR=127.0.0.1`` (global ranks 2r, 2r + 1),
+    sharing one dump folder as nodes share a file system."""
+    port = str(_free_port())
+    dump = tmp_path / "static"
+    procs, logs, dumps = [], [], []
+    for node in range(2):
+        node_dump = tmp_path / f"static_node{node}"
+        env = train_env(
+            2, node_dump, NNODES="2", NODE_RANK=str(node), MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port, LOGLEVEL="INFO",
+        )  # fmt: skip
+        log = tmp_path / f"static_node{node}.log"
+        with open(log, "w") as out:
+            procs.append(
+                subprocess.Popen(
+                    train_command(ARGS, dump, CONFIG),
+                    cwd=ROOT,
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )  # fmt: skip
+            )
+        logs.append(log)
+        dumps.append(node_dump)
+    return _wait(procs, logs, dumps)
+
+
+def _slurm_job(tmp_path: Path):
+    """``multinode_trainer.slurm`` as ``sbatch --nodes 2`` would start it, with slurm's
+    commands faked on this machine (``tests/fake_slurm``)."""
+    dump = tmp_path / "slurm"
+    env = train_env(2, dump)
+    env.update(
+        PATH=f"{FAKE_SLURM}{os.pathsep}{env['PATH']}",
+        SLURM_JOB_NODELIST="node[0-1]",
+        SLURM_JOB_NUM_NODES="2",
+        SLURM_JOB_ID="4242",
+        SLURM_SUBMIT_DIR=str(ROOT),
+        MASTER_PORT=str(_free_port()),
+        LOGLEVEL="INFO",  # torchrun's agents log the global ranks of their node
+    )
+    log = tmp_path / "slurm.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            ["./multinode_trainer.slurm", "--job.config_file", CONFIG,
+             "--job.dump_folder", str(dump), *ARGS],
+            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+    return _wait([proc], [log], [dump])[0]
+
+
+@pytest.mark.slow
+def test_two_nodes_equal_one_launch(tmp_path):
+    """Two nodes of 2 processes (replicate 2 across them, shard 2 within each, async
+    replicate broadcast) follow one 4-process launch to the printed digits over 4 steps,
+    with a static rendezvous (node r holds global ranks 2r and 2r + 1) and through the
+    slurm script's c10d rendezvous (the nodes hold ranks 0-1 and 2-3 in join order)."""
+    single = run_train(ARGS, 4, tmp_path / "single", CONFIG)
+    assert single.returncode == 0, single.output[-3000:]
+    assert sorted(single.losses) == [1, 2, 3, 4]
+    node0, node1 = _two_static_nodes(tmp_path)
+    for node in (node0, node1):
+        assert node.returncode == 0, node.output[-3000:]
+        assert node.losses == single.losses
+    assert "global_ranks=[0, 1]" in node0.output and "global_ranks=[2, 3]" in node1.output
+    slurm = _slurm_job(tmp_path)
+    assert slurm.returncode == 0, slurm.output[-3000:]
+    assert slurm.losses == single.losses
+    assert "global_ranks=[0, 1]" in slurm.output and "global_ranks=[2, 3]" in slurm.output
