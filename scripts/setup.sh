@@ -21,7 +21,10 @@ log() { echo "[setup] $*" >&2; }
 # Contents only (not paths), so that checkouts in other folders share one stamp.
 want_stamp="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup.sh" | sha256sum | cut -d' ' -f1)"
 ASSETS="$ROOT/assets"
-if [[ -x "$PY" && -f "$STAMP" && "$(cat "$STAMP")" == "$want_stamp" && -f "$ASSETS/tokenizer/tokenizer.json" ]]; then
+# assets/ is complete with its tokenizer and the held-out split; one built before the
+# split existed (no heldout/) is rebuilt, so that training never sees the held-out documents.
+assets_ready() { [[ -f "$ASSETS/tokenizer/tokenizer.json" && -f "$ASSETS/heldout/stdlib_docstrings.jsonl" ]]; }
+if [[ -x "$PY" && -f "$STAMP" && "$(cat "$STAMP")" == "$want_stamp" ]] && assets_ready; then
   exit 0
 fi
 
@@ -67,9 +70,10 @@ echo "torch==$torch_now" >"$constraints"
 log "installing torchtitan-dmuon (editable) with test, bench and peer extras around torch $torch_now"
 "${PIP[@]}" install -c "$constraints" -e "$ROOT[test,bench,peer-muon-fsdp2,peer-dtensor-muon]"
 
-# Offline training assets (a text corpus and its tokenizer), built locally, never downloaded.
-if [[ ! -f "$ASSETS/tokenizer/tokenizer.json" ]]; then
-  log "building the training corpus and tokenizer in $ASSETS"
+# Offline training assets (a text corpus, its held-out split and the tokenizer), built
+# locally, never downloaded.
+if ! assets_ready; then
+  log "building the training corpus, its held-out split and the tokenizer in $ASSETS"
   "$PY" -m torchtitan_dmuon.titan.assets --out "$ASSETS"
 fi
 
