@@ -140,10 +140,11 @@ def _fmt(lr: float) -> str:
 def sweep_specs(args: argparse.Namespace) -> list[RunSpec]:
     """The six sweep runs (seed ``SEED``), AdamW first."""
     extra = tuple(args.extra)
+    lrs = (("AdamW", "adamw", args.adamw_lrs), ("DMuon", "dmuon", args.muon_lrs))
     specs = [
         RunSpec(
-            f"adamw_lr{_fmt(lr)}_s{SEED}",
-            "AdamW",
+            f"{prefix}_lr{_fmt(lr)}_s{SEED}",
+            optimizer,
             lr,
             SEED,
             "sweep",
@@ -151,20 +152,8 @@ def sweep_specs(args: argparse.Namespace) -> list[RunSpec]:
             args.eval_every,
             extra,
         )
-        for lr in args.adamw_lrs
-    ]
-    specs += [
-        RunSpec(
-            f"dmuon_lr{_fmt(lr)}_s{SEED}",
-            "DMuon",
-            lr,
-            SEED,
-            "sweep",
-            args.steps,
-            args.eval_every,
-            extra,
-        )
-        for lr in args.muon_lrs
+        for optimizer, prefix, values in lrs
+        for lr in values
     ]
     return specs
 
