@@ -10,12 +10,12 @@ in ``dtype`` and the input's shape. Registered backends:
 * ``"gram"``: Gram Newton-Schulz (``optim.kernels.gram_ns``), fewer FLOPs on wide matrices.
 * ``"auto"``: per matrix shape, the fastest of them that is correct on this device. The
   picks are made before training: :func:`measure_backends` times each backend on the
-  batch of each shape that a rank orthogonalizes per step (or reads the timings from the
-  disk cache, :mod:`.ns_cache`),
-  :func:`pick_backend` merges the timings of every rank that runs a shape, and
-  :func:`set_auto_choices` installs the result, the same on every rank (the engine does
-  that for a distributed job). A shape nobody picked for is measured in this process at
-  its first use. The backends round differently: name one for bit-reproducible runs.
+  batch of each shape that a rank orthogonalizes per step (or the timings come from the
+  disk cache, :mod:`.ns_cache`), :func:`pick_backend` merges the timings of every rank
+  that runs a shape, and :func:`set_auto_choices` installs the result, the same on every
+  rank (the engine does that for a distributed job). A shape nobody picked for is
+  measured in this process at its first use. The backends round differently: name one
+  for bit-reproducible runs.
 """
 
 from __future__ import annotations
