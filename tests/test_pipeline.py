@@ -26,6 +26,7 @@ from tests.workers import (
     MUON_KW,
     as_muon_adamw_kwargs,
     data_for,
+    failing_pass,
     full_params,
     train_reference,
 )
@@ -107,7 +108,7 @@ def _calls(dedications, kind: str) -> list[int]:
     return [d.stats.calls[kind] for d in dedications]
 
 
-def _train(name: str, z3: bool, mesh) -> dict:
+def _train(name: str, z3: bool, fail: bool, mesh) -> dict:
     schedule_class, layout, fsdp = SCHEDULES[name]
     pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
     dp_mesh = mesh["dp"]
@@ -139,17 +140,30 @@ def _train(name: str, z3: bool, mesh) -> dict:
     has_first, has_last = 0 in stage_ids, num_stages - 1 in stage_ids
     dedications = [get_dedication(p) for p in parts]
     losses, reduces, broadcasts = [], [], []
-    for step in range(STEPS):
-        inputs, targets = data_for(step, dp_rank, DP, False, batch_size=MICRO_BATCHES)
+
+    def zero_grad() -> None:
         for opt in optimizers:
             opt.zero_grad()
-        before = {kind: _calls(dedications, kind) for kind in ("reduce", "broadcast")}
-        micro_losses: list[torch.Tensor] = []
+
+    def run_schedule(inputs, targets, micro_losses=None) -> None:
         schedule.step(
             *([inputs] if has_first else []),
             target=targets if has_last else None,
             losses=micro_losses if has_last else None,
         )
+
+    for step in range(STEPS):
+        if fail and step == 1:
+            # The first stage's backward of the last micro-batch raises there, after the
+            # last stage finished its part of the step (which then discards it too).
+            block = parts[0].layers["0"] if has_first else None
+            bad = data_for(999, dp_rank, DP, False, batch_size=MICRO_BATCHES)
+            failing_pass(zero_grad, block, lambda bad=bad: run_schedule(*bad), MICRO_BATCHES - 1)
+        inputs, targets = data_for(step, dp_rank, DP, False, batch_size=MICRO_BATCHES)
+        zero_grad()
+        before = {kind: _calls(dedications, kind) for kind in ("reduce", "broadcast")}
+        micro_losses: list[torch.Tensor] = []
+        run_schedule(inputs, targets, micro_losses)
         for kind, out in (("reduce", reduces), ("broadcast", broadcasts)):
             now = _calls(dedications, kind)
             out.append([n - b for n, b in zip(now, before[kind], strict=True)])
@@ -174,13 +188,15 @@ def _train(name: str, z3: bool, mesh) -> dict:
 def pipeline_worker(rank, world, cases):
     mesh = init_device_mesh("cpu", (PP, DP), mesh_dim_names=("pp", "dp"))
     results = {}
-    for name, z3 in cases:
-        results[(name, z3)] = _train(name, z3, mesh)
+    for name, z3, fail in cases:
+        results[(name, z3, fail)] = _train(name, z3, fail, mesh)
         dist.barrier()
     return results
 
 
-CASES = [(name, False) for name in SCHEDULES] + [("1F1B", True), ("InterleavedZeroBubble", True)]
+# (schedule, Z3, a backward raising half-way before step 1: caught, zero_grad, no other call)
+CASES = [(name, False, False) for name in SCHEDULES]
+CASES += [("1F1B", True, True), ("InterleavedZeroBubble", True, False)]
 
 
 @pytest.fixture(scope="module")
@@ -195,7 +211,9 @@ def reference():
     )
 
 
-@pytest.mark.parametrize("case", CASES, ids=[f"{n}-{'z3' if z else 'z2'}" for n, z in CASES])
+@pytest.mark.parametrize(
+    "case", CASES, ids=[f"{n}-{'z3' if z else 'z2'}{'-failed-pass' * f}" for n, z, f in CASES]
+)
 def test_schedule_matches_one_process_muon(case, pipeline_runs, reference):
     """Each schedule trains like one process on the whole batch (losses and every final
     parameter within 1e-4), reduces each unit once per step whatever the number of

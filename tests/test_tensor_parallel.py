@@ -22,6 +22,7 @@ from tests.workers import (
     ADAMW_KW,
     MUON_KW,
     as_muon_adamw_kwargs,
+    failing_pass,
     full_params,
     reference_setup,
     train_one_process,
@@ -37,7 +38,7 @@ def _model() -> TokenModel:
     return TokenModel(VOCAB)
 
 
-def tp_worker(rank, world, ns_backend):
+def tp_worker(rank, world, ns_backend, fail_before_step=None):
     mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
     dp = mesh["dp"].get_local_rank()
     model = _model()
@@ -57,6 +58,11 @@ def tp_worker(rank, world, ns_backend):
     losses = []
     per = SAMPLES // DP
     for step in range(STEPS):
+        if step == fail_before_step:
+            bad = batch(999, SAMPLES, SEQ, VOCAB)
+            failing_pass(
+                opt.zero_grad, model.layers[0], lambda bad=bad: loss_fn(model, *bad).backward()
+            )
         inputs, targets = batch(100 + step, SAMPLES, SEQ, VOCAB)
         opt.zero_grad()
         loss = loss_fn(model, inputs[dp * per : (dp + 1) * per], targets[dp * per : (dp + 1) * per])
@@ -108,8 +114,11 @@ def _layout_error(mesh) -> str:
 @pytest.mark.parametrize("ns_backend", ["gram", "torch"])
 def test_tensor_parallel_matches_one_process(ns_backend):
     """The Gram path for ns_backend "gram" (the all-reduced Grams only), the gathered
-    matrix for "torch" (which has no sharded form); both equal one process."""
-    by_rank = run_distributed(tp_worker, DP * TP, ns_backend, timeout=240)
+    matrix for "torch" (which has no sharded form); both equal one process. The "gram" run
+    also survives a backward that raises half-way before step 1 (caught, ``zero_grad``,
+    nothing else): it leaves nothing behind."""
+    fail_before_step = 1 if ns_backend == "gram" else None
+    by_rank = run_distributed(tp_worker, DP * TP, ns_backend, fail_before_step, timeout=240)
     with reference_setup(torch.float32):
         model = _model()
         expected = train_one_process(

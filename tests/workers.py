@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.optim._muon as muon_module
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
@@ -20,7 +20,6 @@ from torchtitan_dmuon import (
     clip_grad_norm_,
     dedicate_params,
     get_full_param,
-    reset_iter_state,
     set_requires_gradient_sync,
 )
 from torchtitan_dmuon.engine.comm import CollectiveCounter
@@ -244,31 +243,46 @@ def train_dmuon(
 
 
 def _failing_pass(model, opt, rank, world) -> None:
-    """A pass whose backward raises after the last block's backward (its reduce issued)
-    and before the first block's, caught like a training loop skipping a bad batch. With
-    FSDP2 the loop calls ``reset_iter_state`` (FSDP2's recovery needs it); without, the
-    engine recovers by itself at the next forward."""
+    inputs, targets = data_for(999, rank, world, same_data=False)
+    failing_pass(opt.zero_grad, model.layers[0], lambda: loss_fn(model, inputs, targets).backward())
+
+
+def failing_pass(zero_grad, block, backward, fail_at: int = 0) -> bool:
+    """A pass whose backward raises in ``block``'s backward (after the blocks above it
+    reduced, before it and those below), caught like a training loop skipping a bad batch,
+    which then calls the optimizers' ``zero_grad`` and nothing else: recovering the
+    engine's state and FSDP2's is the engine's job. ``fail_at``: the call of ``block``
+    (micro-batch) whose backward raises. Returns whether it raised here (under pipeline
+    parallelism only the ranks of ``block``'s stage do)."""
+    calls = []
 
     def raise_in_backward(module, args, output):
-        def fail(grad):
-            raise RuntimeError("injected backward failure")
+        calls.append(None)
+        if len(calls) - 1 == fail_at:
 
-        output.register_hook(fail)
+            def fail(grad):
+                raise RuntimeError("injected backward failure")
 
-    handle = model.layers[0].register_forward_hook(raise_in_backward)
-    opt.zero_grad()
-    inputs, targets = data_for(999, rank, world, same_data=False)
+            output.register_hook(fail)
+
+    handle = block.register_forward_hook(raise_in_backward) if block is not None else None
+    zero_grad()
+    raised = False
     try:
-        loss_fn(model, inputs, targets).backward()
+        backward()
     except RuntimeError as error:
-        assert "injected backward failure" in str(error)
-    else:
-        raise AssertionError("the failing pass did not fail")
+        chain = [error]  # a pipeline stage re-raises it as its cause
+        while chain[-1].__cause__ is not None:
+            chain.append(chain[-1].__cause__)
+        assert any("injected backward failure" in str(e) for e in chain), error
+        raised = True
     finally:
-        handle.remove()
-    if any(isinstance(m, FSDPModule) for m in model.modules()):
-        reset_iter_state(model)
-    opt.zero_grad()
+        if handle is not None:
+            handle.remove()
+    if block is not None and not raised:
+        raise AssertionError("the failing pass did not fail")
+    zero_grad()
+    return raised
 
 
 def _engine_events(profiler) -> list[tuple[str, int | None]]:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from torchtitan_dmuon.engine import comm
@@ -32,6 +32,7 @@ from torchtitan_dmuon.engine.plan import (
     expert_tensor_parallel_dim,
     is_expert_parallel,
 )
+from torchtitan_dmuon.engine.recovery import reset_fsdp_state
 from torchtitan_dmuon.engine.selection import Predicate, select_matrices
 from torchtitan_dmuon.engine.settings import DedicationSettings
 from torchtitan_dmuon.optim.newton_schulz import matrix_count
@@ -108,42 +109,17 @@ def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -
 
 def reset_iter_state(model: nn.Module) -> None:
     """Recover from a forward or backward that raised half-way, as
-    ``FSDPModule.reset_iter_state`` does for FSDP2: call it on every rank after catching
-    the exception, then run the next iteration normally.
+    ``FSDPModule.reset_iter_state`` does for FSDP2; the failed pass's gradients are lost.
 
-    The engine's part (waiting for the collectives the failed pass issued, dropping its
-    partial gradients, freeing what it gathered) also happens by itself at the next
-    forward; FSDP2's part does not, so this calls ``reset_iter_state`` on each top-most
-    FSDP module of ``model`` too. The failed pass's gradients are lost.
+    Rarely needed: ``Muon.zero_grad()`` (and the next root forward, for the engine's own
+    state) does it after a failed pass. For a loop that clears gradients another way,
+    call it on every rank after catching the exception.
     """
     dedication = get_dedication(model)
     if dedication is not None:
-        dedication.driver.reset_iter_state()
-    for name, module in model.named_modules():
-        if isinstance(module, FSDPModule) and not any(
-            isinstance(model.get_submodule(ancestor), FSDPModule) for ancestor in _ancestors(name)
-        ):
-            module.reset_iter_state()
-            _drop_unsharded_grads(module)
-
-
-def _drop_unsharded_grads(root: FSDPModule) -> None:
-    """FSDP2's ``reset_iter_state`` (torch 2.13) keeps the unsharded gradients that
-    parameter groups whose reduce-scatter never ran had accumulated (the root's norm and
-    output head, when backward fails in a block); the next backward would add to them."""
-    for module in root.modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        for group in fully_shard.state(module)._fsdp_param_groups:
-            for fsdp_param in group.fsdp_params:
-                unsharded = getattr(fsdp_param, "_unsharded_param", None)
-                if unsharded is not None:
-                    unsharded.grad = None
-
-
-def _ancestors(name: str) -> list[str]:
-    parts = name.split(".") if name else []
-    return [".".join(parts[:depth]) for depth in range(len(parts))]
+        dedication.recover()
+    else:
+        reset_fsdp_state(model)
 
 
 def verify_plan(dedication: Dedication) -> None:

@@ -33,6 +33,7 @@ from torchtitan_dmuon.engine.plan import (
     expert_parallel_coordinates,
     is_expert_parallel,
 )
+from torchtitan_dmuon.engine.recovery import reset_fsdp_state
 from torchtitan_dmuon.engine.replicas import Replicas
 from torchtitan_dmuon.engine.settings import DedicationSettings
 from torchtitan_dmuon.engine.unit import RefilledParam, Unit, refills
@@ -347,8 +348,18 @@ class Dedication:
         return [(d, u.master_view(d)) for u in self.units if u.primary for d in u.params]
 
     def zero_grad(self) -> None:
+        """Drop the reduced gradients; after a pass that raised half-way, first recover
+        (:meth:`recover`), so that a loop catching the error needs no other call."""
+        if self.driver.pass_unfinished():
+            self.recover()
         for unit in self.units:
             unit.zero_grad()
+
+    def recover(self) -> None:
+        """Discard what a failed forward or backward left: the engine's per-pass state
+        and FSDP2's (whose next backward would otherwise add to gradients it kept)."""
+        self.driver.reset_iter_state()
+        reset_fsdp_state(self.model)
 
     def before_step(self) -> None:
         if not self.initialized or self.synced_backwards == 0:

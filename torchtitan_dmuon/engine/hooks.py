@@ -331,11 +331,15 @@ class HookDriver:
         self.free_all()
 
     # ---- failure -------------------------------------------------------------------------
+    def pass_unfinished(self) -> bool:
+        """Whether the last forward or backward raised half-way."""
+        return self.state in (TrainingState.FORWARD, TrainingState.BACKWARD)
+
     def reset_iter_state(self) -> None:
         """If the last pass raised half-way (the state is not idle): wait for the
         collectives it issued (every rank issued the same ones up to the same point),
         drop its partial reduces and free what it gathered."""
-        if self.state not in (TrainingState.FORWARD, TrainingState.BACKWARD):
+        if not self.pass_unfinished():
             return
         logger.warning(
             "dmuon: the previous %s pass did not finish; discarding its state (its "
