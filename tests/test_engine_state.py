@@ -21,14 +21,28 @@ def _assert_matches(result, reference, rtol=1e-4):
         torch.testing.assert_close(result["params"][name], expected, rtol=rtol, atol=1e-5)
 
 
+def _assert_step_failure(by_rank, failing_rank) -> None:
+    """Every rank raised the same MuonStepError naming the failing rank, and its state
+    (parameters, masters, momentum, AdamW) is bitwise what it was before the step."""
+    failures = [result["step_failure"] for result in by_rank]
+    for failure in failures:
+        assert failure["unchanged"], failure
+        assert failure["tensors"] > 0
+        assert f"failed on rank(s) [{failing_rank}]" in failure["message"], failure
+    assert "injected Newton-Schulz failure" in failures[failing_rank]["message"]
+
+
 def test_backward_failing_half_way_then_training_goes_on():
     """Every rank's backward raises after the last block reduced and before the first
-    did; the loop catches it and goes on. The failed pass leaves nothing behind: the
-    next steps equal the reference that never saw it (FSDP2 and DDP-style, Z3 and Z2)."""
+    did; the loop catches it, calls zero_grad and goes on. The failed pass leaves nothing
+    behind: the next steps equal the reference that never saw it (FSDP2 and DDP-style, Z3
+    and Z2). The FSDP2 runs' step 3 also fails on rank 1 in the middle of its
+    Newton-Schulz: every rank raises, nothing changed, and the retried step goes on."""
     common = dict(ns_dtype=torch.float32, steps=STEPS, fail_before_step=1)
+    failing_step = dict(fail_step_at=(3, 1))
     configs = [
-        dict(common, fsdp=True, z3=True),
-        dict(common, fsdp=True, z3=False),
+        dict(common, fsdp=True, z3=True, **failing_step),
+        dict(common, fsdp=True, z3=False, **failing_step),
         dict(common, fsdp=False, z3=True),
         dict(common, fsdp=False, z3=False),
     ]
@@ -37,20 +51,26 @@ def test_backward_failing_half_way_then_training_goes_on():
     for results in by_rank:
         for result in results:
             _assert_matches(result, reference)
+    for config in range(2):
+        _assert_step_failure([results[config] for results in by_rank], failing_rank=1)
 
 
 def test_backward_failing_half_way_hsdp_async():
+    """HSDP with async replicate broadcasts: the failed backward before step 1, and a
+    Muon.step failing on rank 2 (another replica than rank 0's) at step 2."""
     config = dict(
         hsdp_shape=(2, 2),
         replicate_async=True,
         ns_dtype=torch.float32,
         steps=STEPS,
         fail_before_step=1,
+        fail_step_at=(2, 2),
     )
     by_rank = run_distributed(train_configs, 4, [config])
     reference = train_reference(4, steps=STEPS, ns_dtype=torch.float32)
     for (result,) in by_rank:
         _assert_matches(result, reference)
+    _assert_step_failure([result for (result,) in by_rank], failing_rank=2)
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -14,9 +14,11 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
+import torchtitan_dmuon.optimizer as optimizer_module
 from tests.models import batch, loss_fn, make_model, proj_predicate, shard_experts
 from torchtitan_dmuon import (
     Muon,
+    MuonStepError,
     clip_grad_norm_,
     dedicate_params,
     get_full_param,
@@ -96,6 +98,7 @@ def train_dmuon(
     checkpoint_blocks=False,
     skewed_prefetch=False,
     fail_before_step=None,
+    fail_step_at=None,
     ep=1,
 ):
     """Train the tiny transformer with DMuon; return losses, full params and counters.
@@ -108,7 +111,9 @@ def train_dmuon(
     as timing can. ``fsdp="blocks"`` shards the blocks only (embedding, norm and head
     under no FSDP module); ``meta_init="swap"`` materializes with ``swap_tensors`` (as
     tensor-subclass parameters force); ``fail_before_step`` runs one pass whose backward
-    raises half-way on every rank before that step, caught as a training loop would.
+    raises half-way on every rank before that step, caught as a training loop would;
+    ``fail_step_at=(step, rank)`` makes that step's ``Muon.step`` raise on that rank in its
+    second Newton-Schulz call (then retried), reported as ``"step_failure"``.
     ``ep`` > 1 shards the ExpertBlocks' stacks over an ``ep`` mesh (TorchTitan's sparse
     layout: replicate x efsdp x ep, ep innermost) and dedicates them over ``efsdp``.
     """
@@ -175,6 +180,7 @@ def train_dmuon(
         replicate_async=replicate_async,
     )
     losses, norms, per_step, snapshot, events = [], [], [], None, None
+    step_failure = None
     names = {d.name for u in dedication.units for d in u.params}
     profiler = None
     for step in range(steps):
@@ -201,6 +207,8 @@ def train_dmuon(
                 total += loss.detach()
             if clip is not None:
                 norms.append(clip_grad_norm_(model, clip).item())
+            if fail_step_at is not None and step == fail_step_at[0]:
+                step_failure = _failing_step(opt, dedication, rank == fail_step_at[1])
             opt.step()
         per_step.append({**counter.snapshot(), "group_bytes": dict(counter.group_bytes)})
         dist.all_reduce(total)
@@ -236,6 +244,7 @@ def train_dmuon(
         "collectives": per_step,
         "compute_dtypes": compute_dtypes,
         "boundaries": [b.name for b in dedication.plan.boundaries],
+        "step_failure": step_failure,
     }
     dedication.wait_replicas()  # the last step's async broadcasts, before teardown
     del opt, model
@@ -283,6 +292,56 @@ def failing_pass(zero_grad, block, backward, fail_at: int = 0) -> bool:
         raise AssertionError("the failing pass did not fail")
     zero_grad()
     return raised
+
+
+def _failing_step(opt, dedication, fails_here: bool) -> dict:
+    """``opt.step()`` with this rank's second Newton-Schulz call raising if ``fails_here``:
+    returns what every rank raised and whether its parameters, masters, momentum and AdamW
+    state are bitwise what they were before the call."""
+    before = _optimizer_snapshot(opt, dedication)
+    original = optimizer_module.bind_ns
+
+    def failing_bind(*args, **kwargs):
+        ns, calls = original(*args, **kwargs), []
+
+        def run(x):
+            calls.append(None)
+            if len(calls) == 2:
+                raise RuntimeError("injected Newton-Schulz failure")
+            return ns(x)
+
+        return run
+
+    if fails_here:
+        optimizer_module.bind_ns = failing_bind
+    try:
+        opt.step()
+    except MuonStepError as error:
+        message = str(error)
+    else:
+        raise AssertionError("Muon.step did not raise")
+    finally:
+        optimizer_module.bind_ns = original
+    after = _optimizer_snapshot(opt, dedication)
+    unchanged = before.keys() == after.keys() and all(
+        torch.equal(before[k], after[k]) for k in before
+    )
+    return {"message": message, "unchanged": unchanged, "tensors": len(before)}
+
+
+def _optimizer_snapshot(opt, dedication) -> dict[str, torch.Tensor]:
+    out = {}
+    for i, (_, master) in enumerate(dedication.primary_params()):
+        out[f"master{i}"] = master.clone()
+    dedicated = {d.name for d in dedication.plan.params}  # freed outside their owners
+    for name, p in dedication.model.named_parameters():
+        if name not in dedicated:
+            out[name] = (p.to_local() if isinstance(p, DTensor) else p).detach().clone()
+    for i, state in enumerate(opt.state.values()):
+        for key, value in state.items():
+            value = value.to_local() if isinstance(value, DTensor) else value
+            out[f"state{i}.{key}"] = torch.as_tensor(value).clone()
+    return out
 
 
 def _engine_events(profiler) -> list[tuple[str, int | None]]:

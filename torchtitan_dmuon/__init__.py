@@ -19,12 +19,13 @@ from torchtitan_dmuon.engine import (
     set_requires_gradient_sync,
 )
 from torchtitan_dmuon.engine.patches import install as _install_patches
-from torchtitan_dmuon.optimizer import Muon
+from torchtitan_dmuon.optimizer import Muon, MuonStepError
 
 _install_patches()
 
 __all__ = [
     "Muon",
+    "MuonStepError",
     "attach_pipeline_stage",
     "clip_grad_norm_",
     "dedicate_params",

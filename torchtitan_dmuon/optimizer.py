@@ -24,15 +24,20 @@ from torch.profiler import record_function
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from torchtitan_dmuon.engine import get_dedication, verify_plan
-from torchtitan_dmuon.engine.agreement import NSBackendReport, agree_ns_backends, job_ns_dtype
+from torchtitan_dmuon.engine.agreement import (
+    NSBackendReport,
+    agree_ns_backends,
+    failed_ranks,
+    job_ns_dtype,
+)
 from torchtitan_dmuon.engine.api import mesh_device
 from torchtitan_dmuon.engine.selection import select_matrices
-from torchtitan_dmuon.optim.muon import ADJUST_LR_FNS, muon_step
+from torchtitan_dmuon.optim.muon import ADJUST_LR_FNS, apply_muon_update, muon_update
 from torchtitan_dmuon.optim.newton_schulz import EPS, matrix_count, resolve_ns_schedule
 from torchtitan_dmuon.optim.ns_backends import bind_ns, check_ns_backend
 from torchtitan_dmuon.optim.ns_dtype import NSDtypeVerdict, parse_ns_dtype
 
-__all__ = ["Muon"]
+__all__ = ["Muon", "MuonStepError"]
 
 logger = logging.getLogger(__name__)
 
@@ -274,6 +279,19 @@ class Muon(torch.optim.Optimizer):
 
         Distributed, each rank orthogonalizes only the matrices it owns (those whose
         reduced gradient it holds); the new values reach the other ranks by broadcast.
+
+        Transactional: every rank first computes its new momentum and orthogonalized
+        updates without changing anything, then the ranks of the dedication agree (one
+        small all-reduce per group) that all of them succeeded; only then does any rank
+        write its parameters, momentum and AdamW state. If one rank fails in the first
+        phase, every rank raises :class:`MuonStepError` and all state is as before the
+        call (the reduced gradients are kept: ``step()`` may be called again, or
+        ``zero_grad()`` to drop them). Under tensor parallelism the owner column's TP
+        ranks run collectives inside the first phase, so a failure there on one of them
+        only is not caught this way.
+
+        Raises:
+            MuonStepError: The first phase raised on some rank of the dedication.
         """
         loss = None
         if closure is not None:
@@ -281,7 +299,32 @@ class Muon(torch.optim.Optimizer):
                 loss = closure()
         if self.dedication is not None:
             self.dedication.before_step()
+        error, pending = None, None
+        try:
+            pending = self._compute_updates()
+        except Exception as e:  # every rank must hear of it before any rank writes
+            error = e
+        if self.dedication is not None:
+            device = mesh_device(self.dedication.mesh)
+            failed = failed_ranks(self.dedication, error is not None, device)
+            if failed:
+                raise MuonStepError(
+                    f"Muon.step failed on rank(s) {failed} before any state changed; "
+                    "parameters, momentum and AdamW state are unchanged on every rank"
+                    + (f": {type(error).__name__}: {error}" if error is not None else "")
+                ) from error
+        elif error is not None:
+            raise error
+        self._apply_updates(pending)
+        if self._adamw is not None:
+            self._adamw.step()
+        if self.dedication is not None:
+            self.dedication.after_step()
+        return loss
 
+    def _compute_updates(self) -> list[tuple]:
+        """The first phase of :meth:`step`: per group of matrices (by tensor-parallel split
+        dim), ``(params, keys, momentum buffers, update, whole shapes)``; nothing changes."""
         group = self.param_groups[0]
         with record_function("dmuon::owned_grads"):
             if self.dedication is not None:
@@ -289,14 +332,6 @@ class Muon(torch.optim.Optimizer):
                 targets = self.dedication.owned_grads()
             else:
                 targets = [(p, p, p.grad) for p in group["params"] if p.grad is not None]
-            params, grads, bufs = [], [], []
-            for key, param, grad in targets:
-                state = self.state[key]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(param)
-                params.append(param)
-                grads.append(grad)
-                bufs.append(state["momentum_buffer"])
         schedule = resolve_ns_schedule(group["ns_coefficients"], group["ns_steps"])
         ns = bind_ns(self.ns_backend, schedule, eps=self.eps, dtype=self.ns_dtype)
         # Tensor-parallel shards go by split dim: their owner column's TP ranks run the
@@ -305,29 +340,51 @@ class Muon(torch.optim.Optimizer):
         for i, (key, _, _) in enumerate(targets):
             split = self.dedication.split_dim_of(key) if self.dedication is not None else None
             by_split.setdefault(split, []).append(i)
+        pending = []
         for split, indices in by_split.items():
-            shapes = None
-            group_ns = ns
+            keys = [targets[i][0] for i in indices]
+            params = [targets[i][1] for i in indices]
+            grads = [targets[i][2] for i in indices]
+            # A first step's buffers join the state only once the step commits.
+            bufs = [self.state[key].get("momentum_buffer", None) for key in keys]
+            bufs = [
+                b if b is not None else torch.zeros_like(p)
+                for b, p in zip(bufs, params, strict=True)
+            ]
+            shapes, group_ns = None, ns
             if split is not None:
-                shapes = [targets[i][0].shape for i in indices]
+                shapes = [key.shape for key in keys]
                 group_ns = self.dedication.sharded_ns(
                     split, ns, schedule, eps=self.eps, dtype=self.ns_dtype, backend=self.ns_backend
                 )
-            self.ns_matrices += muon_step(
-                [params[i] for i in indices],
-                [grads[i] for i in indices],
-                [bufs[i] for i in indices],
-                lr=group["lr"],
-                weight_decay=group["weight_decay"],
+            update = muon_update(
+                params,
+                grads,
+                bufs,
                 momentum=group["momentum"],
                 nesterov=group["nesterov"],
-                adjust_lr_fn=group["adjust_lr_fn"],
                 ns=group_ns,
+            )
+            pending.append((params, keys, bufs, update, shapes))
+        return pending
+
+    def _apply_updates(self, pending: list[tuple]) -> None:
+        """The second phase of :meth:`step`: write what :meth:`_compute_updates` computed."""
+        group = self.param_groups[0]
+        for params, keys, bufs, update, shapes in pending:
+            for key, buf in zip(keys, bufs, strict=True):
+                self.state[key]["momentum_buffer"] = buf
+            apply_muon_update(
+                params,
+                bufs,
+                update,
+                lr=group["lr"],
+                weight_decay=group["weight_decay"],
+                adjust_lr_fn=group["adjust_lr_fn"],
                 shapes=shapes,
             )
-        if self._adamw is not None:
-            self._adamw.step()
+            self.ns_matrices += update.matrices
 
-        if self.dedication is not None:
-            self.dedication.after_step()
-        return loss
+
+class MuonStepError(RuntimeError):
+    """``Muon.step`` failed on some rank of the dedication; no rank changed any state."""

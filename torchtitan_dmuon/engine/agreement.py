@@ -32,7 +32,7 @@ from torchtitan_dmuon.optim.ns_backends import (
 )
 from torchtitan_dmuon.optim.ns_dtype import NSDtypeVerdict, local_ns_dtype
 
-__all__ = ["NSBackendReport", "agree_ns_backends", "gather_over", "job_ns_dtype"]
+__all__ = ["NSBackendReport", "agree_ns_backends", "failed_ranks", "gather_over", "job_ns_dtype"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,20 @@ def gather_over(dedication: Dedication | None, obj) -> list:
         for row in rows:
             known.update(row)
     return [known[rank] for rank in sorted(known)]
+
+
+def failed_ranks(dedication: Dedication, failed: bool, device: torch.device) -> list[int]:
+    """The global ranks of ``dedication`` on which something ``failed``, known to all of
+    them: one MAX all-reduce of a flag per rank over its reduce, replicate and
+    tensor-parallel groups (idle between backward and the next forward). A collective:
+    every rank of the dedication calls it."""
+    flags = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=device)
+    flags[dist.get_rank()] = int(failed)
+    groups = dedication.data_parallel_groups() + [dedication.tp_group]
+    for group in groups:
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    return flags.nonzero().flatten().tolist()
 
 
 def _log_once(key: tuple, message: str, *args) -> None:

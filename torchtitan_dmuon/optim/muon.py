@@ -2,7 +2,7 @@
 
 For each matrix parameter ``p`` with gradient ``g`` and momentum buffer ``buf``::
 
-    buf.lerp_(g, 1 - momentum)                        # EMA momentum
+    buf = buf.lerp(g, 1 - momentum)                   # EMA momentum
     u = g.lerp(buf, momentum) if nesterov else buf    # Nesterov look-ahead
     o = newton_schulz(u)                              # orthogonalize
     p.mul_(1 - lr * weight_decay)                     # decoupled weight decay (skipped at 0)
@@ -11,8 +11,11 @@ For each matrix parameter ``p`` with gradient ``g`` and momentum buffer ``buf``:
 A 3-D parameter is a stack of independent matrices (MoE experts stored as one
 ``(experts, rows, cols)`` tensor): each matrix of the stack is orthogonalized on its own, as
 if it were a separate parameter. Matrices of the same shape, from any parameters, run as
-one batch. This module does not import ``torch.distributed``: the ownership engine decides
-which matrices a rank steps.
+one batch. A step runs in two phases: :func:`muon_update` computes the new momentum and
+the orthogonalized updates without changing anything, :func:`apply_muon_update` writes
+them, so a distributed step can agree that every rank's first phase succeeded before any
+rank changes its state. This module does not import ``torch.distributed``: the ownership
+engine decides which matrices a rank steps.
 """
 
 from __future__ import annotations
@@ -20,13 +23,22 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch.profiler import record_function
 
 from torchtitan_dmuon.optim.newton_schulz import matrix_count
 
-__all__ = ["ADJUST_LR_FNS", "adjusted_lr", "muon_step", "NSFunction"]
+__all__ = [
+    "ADJUST_LR_FNS",
+    "MuonUpdate",
+    "NSFunction",
+    "adjusted_lr",
+    "apply_muon_update",
+    "muon_step",
+    "muon_update",
+]
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw", "spectral")
 """Accepted values of ``adjust_lr_fn``."""
@@ -54,6 +66,116 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) -> fl
     return lr * ratio
 
 
+@dataclass
+class MuonUpdate:
+    """The first phase of a Muon step, computed without touching its inputs.
+
+    Attributes:
+        momentum_buffers: The new momentum buffers, one per matrix parameter.
+        orthogonal: The orthogonalized updates, one per matrix parameter.
+        matrices: How many matrices were orthogonalized (a 3-D stack counts each).
+    """
+
+    momentum_buffers: list[torch.Tensor]
+    orthogonal: list[torch.Tensor]
+    matrices: int
+
+
+@torch.no_grad()
+def muon_update(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    momentum_buffers: Sequence[torch.Tensor],
+    *,
+    momentum: float,
+    nesterov: bool,
+    ns: NSFunction,
+) -> MuonUpdate:
+    """Momentum and Newton-Schulz of each matrix, out of place: nothing it reads changes,
+    so a step that fails here (on any rank) can be abandoned as if it never ran.
+
+    Momentum runs as foreach ops over all matrices; matrices of the same shape, dtype and
+    device are orthogonalized as one batch (profiler ranges ``muon::momentum`` and
+    ``muon::newton_schulz``).
+
+    Args:
+        params: Matrices (2-D) or stacks of matrices (3-D) to update (read for shapes).
+        grads: Their gradients (same order).
+        momentum_buffers: Their momentum buffers (read only).
+        momentum: EMA momentum factor in ``[0, 1)``.
+        nesterov: Use the Nesterov look-ahead.
+        ns: The orthogonalization to use (a backend with its schedule bound).
+
+    Raises:
+        ValueError: a parameter is neither 2-D nor 3-D.
+    """
+    for p in params:
+        if p.ndim not in (2, 3):
+            raise ValueError(
+                f"Muon updates 2-D matrices or 3-D stacks of matrices, got shape {tuple(p.shape)}"
+            )
+    if not params:
+        return MuonUpdate([], [], 0)
+    with record_function("muon::momentum"):
+        new_buffers = torch._foreach_lerp(momentum_buffers, grads, 1 - momentum)
+        updates = torch._foreach_lerp(grads, new_buffers, momentum) if nesterov else new_buffers
+    orthogonal: list[torch.Tensor | None] = [None] * len(params)
+    for indices in _buckets(params).values():
+        bucket = [updates[i] for i in indices]
+        with record_function("muon::newton_schulz"):
+            if len(indices) == 1:
+                results = [ns(bucket[0])]
+            else:
+                batch = torch.cat([u.reshape(-1, *u.shape[-2:]) for u in bucket])
+                counts = [matrix_count(u.shape) for u in bucket]
+                results = [
+                    o.view(u.shape) for o, u in zip(ns(batch).split(counts), bucket, strict=True)
+                ]
+        for i, result in zip(indices, results, strict=True):
+            orthogonal[i] = result
+    matrices = sum(matrix_count(p.shape) for p in params)
+    return MuonUpdate(new_buffers, orthogonal, matrices)
+
+
+@torch.no_grad()
+def apply_muon_update(
+    params: Sequence[torch.Tensor],
+    momentum_buffers: Sequence[torch.Tensor],
+    update: MuonUpdate,
+    *,
+    lr: float,
+    weight_decay: float,
+    adjust_lr_fn: str | None,
+    shapes: Sequence[Sequence[int]] | None = None,
+) -> None:
+    """The second phase, in place: the new momentum into ``momentum_buffers``, decoupled
+    weight decay, then each orthogonalized update with its shape-adjusted learning rate
+    (profiler range ``muon::update``).
+
+    Args:
+        params: The matrices :func:`muon_update` was given.
+        momentum_buffers: Their momentum buffers, overwritten.
+        update: What :func:`muon_update` returned for them.
+        lr: Learning rate before the shape adjustment.
+        weight_decay: Decoupled weight decay coefficient.
+        adjust_lr_fn: See :func:`adjusted_lr` (per matrix: the last two dims).
+        shapes: The whole matrices' shapes, for the learning-rate adjustment, when
+            ``params`` are tensor-parallel shards (default: their own shapes).
+    """
+    if not params:
+        return
+    with record_function("muon::update"):
+        torch._foreach_copy_(list(momentum_buffers), update.momentum_buffers)
+        for indices in _buckets(params).values():
+            bucket = [params[i] for i in indices]
+            if weight_decay != 0:
+                torch._foreach_mul_(bucket, 1 - lr * weight_decay)
+            # One learning rate per bucket: every matrix in it has the same shape.
+            shape = shapes[indices[0]] if shapes is not None else bucket[0].shape
+            alpha = -adjusted_lr(lr, adjust_lr_fn, shape)
+            torch._foreach_add_(bucket, [update.orthogonal[i] for i in indices], alpha=alpha)
+
+
 @torch.no_grad()
 def muon_step(
     params: Sequence[torch.Tensor],
@@ -68,69 +190,30 @@ def muon_step(
     ns: NSFunction,
     shapes: Sequence[Sequence[int]] | None = None,
 ) -> int:
-    """Apply one Muon update to each matrix in ``params`` (in place).
-
-    Momentum and update run as foreach ops over all matrices; matrices of the same shape,
-    dtype and device are orthogonalized as one batch. Each phase is a profiler range
-    (``muon::momentum``, ``muon::newton_schulz``, ``muon::update``).
-
-    Args:
-        params: Matrices (2-D) or stacks of matrices (3-D) to update.
-        grads: Their gradients (same order).
-        momentum_buffers: Their momentum buffers, updated in place.
-        lr: Learning rate before the shape adjustment.
-        weight_decay: Decoupled weight decay coefficient.
-        momentum: EMA momentum factor in ``[0, 1)``.
-        nesterov: Use the Nesterov look-ahead.
-        adjust_lr_fn: See :func:`adjusted_lr` (per matrix: the last two dims).
-        ns: The orthogonalization to use (a backend with its schedule bound).
-        shapes: The whole matrices' shapes, for the learning-rate adjustment, when
-            ``params`` are tensor-parallel shards (default: their own shapes).
+    """One Muon update of each matrix in ``params``, in place: :func:`muon_update` then
+    :func:`apply_muon_update` (see those for the arguments).
 
     Returns:
         The number of matrices orthogonalized (a 3-D stack counts each of its matrices).
-
-    Raises:
-        ValueError: a parameter is neither 2-D nor 3-D.
     """
+    update = muon_update(
+        params, grads, momentum_buffers, momentum=momentum, nesterov=nesterov, ns=ns
+    )
+    apply_muon_update(
+        params,
+        momentum_buffers,
+        update,
+        lr=lr,
+        weight_decay=weight_decay,
+        adjust_lr_fn=adjust_lr_fn,
+        shapes=shapes,
+    )
+    return update.matrices
+
+
+def _buckets(params: Sequence[torch.Tensor]) -> dict[tuple, list[int]]:
+    """Indices of ``params`` by (matrix shape, dtype, device): one batch each."""
     buckets: dict[tuple, list[int]] = defaultdict(list)
     for i, p in enumerate(params):
-        if p.ndim not in (2, 3):
-            raise ValueError(
-                f"Muon updates 2-D matrices or 3-D stacks of matrices, got shape {tuple(p.shape)}"
-            )
         buckets[(tuple(p.shape[-2:]), p.dtype, p.device)].append(i)
-    if not params:
-        return 0
-
-    with record_function("muon::momentum"):
-        torch._foreach_lerp_(momentum_buffers, grads, 1 - momentum)
-        updates = (
-            torch._foreach_lerp(grads, momentum_buffers, momentum)
-            if nesterov
-            else list(momentum_buffers)
-        )
-
-    matrices = 0
-    for indices in buckets.values():
-        bucket_updates = [updates[i] for i in indices]
-        with record_function("muon::newton_schulz"):
-            if len(indices) == 1:
-                orthogonal = [ns(bucket_updates[0])]
-            else:
-                batch = torch.cat([u.reshape(-1, *u.shape[-2:]) for u in bucket_updates])
-                counts = [matrix_count(u.shape) for u in bucket_updates]
-                orthogonal = [
-                    o.view(u.shape)
-                    for o, u in zip(ns(batch).split(counts), bucket_updates, strict=True)
-                ]
-        with record_function("muon::update"):
-            bucket_params = [params[i] for i in indices]
-            if weight_decay != 0:
-                torch._foreach_mul_(bucket_params, 1 - lr * weight_decay)
-            # One learning rate per bucket: every matrix in it has the same shape.
-            shape = shapes[indices[0]] if shapes is not None else bucket_params[0].shape
-            alpha = -adjusted_lr(lr, adjust_lr_fn, shape)
-            torch._foreach_add_(bucket_params, orthogonal, alpha=alpha)
-        matrices += sum(matrix_count(p.shape) for p in bucket_params)
-    return matrices
+    return buckets
