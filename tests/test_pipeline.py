@@ -243,7 +243,7 @@ def test_schedule_matches_one_process_muon(case, pipeline_runs, reference):
 def misuse_worker(rank, world):
     """A schedule that never marks a last backward, a stage attached twice, a non-stage, a
     stage whose module was not dedicated: clear errors on every rank, and the group still
-    usable."""
+    usable; ``remove()`` restores the stage's methods."""
     mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("pp", "dp"))
     model = make_model(seed=0, **MODEL)
     dedicate_params(model, mesh["dp"], proj_predicate)
@@ -280,12 +280,18 @@ def misuse_worker(rank, world):
     opt.step()
     ok = torch.ones(1)
     dist.all_reduce(ok)
-    return raised, ok.item() == world
+    # remove() takes the stage's patched methods with it: the class's again.
+    get_dedication(model).remove()
+    restored = all(
+        name not in vars(stage) for name in ("backward_maybe_with_nosync", "scale_grads")
+    )
+    return raised, ok.item() == world, restored
 
 
 def test_stage_misuse_raises_clear_errors():
-    for raised, alive in run_distributed(misuse_worker, 2, timeout=120):
+    for raised, alive, restored in run_distributed(misuse_worker, 2, timeout=120):
         assert alive
+        assert restored
         assert "already attached" in raised["twice"]
         assert "must be a pipeline stage" in raised["not_a_stage"]
         assert "pipeline stage 0's module has no dedication" in raised["undedicated"]

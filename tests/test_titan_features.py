@@ -31,6 +31,8 @@ from tests.test_titan_integration import (
 from torchtitan_dmuon.titan import register
 from torchtitan_dmuon.titan.checkpoint import DMuonModelWrapper
 from torchtitan_dmuon.titan.config import DEFAULT_PARAM_PATTERNS
+from torchtitan_dmuon.titan.cpu import enable_cpu_support
+from torchtitan_dmuon.titan.patches import PatchRegistry
 
 CONFIG_MODULE = ["--job.custom_config_module", "torchtitan_dmuon.titan.config"]
 
@@ -137,7 +139,9 @@ def _snapshot(model, optimizers) -> dict[str, torch.Tensor]:
 def nonfinite_grad_norm_worker(rank: int, world: int) -> dict[str, dict]:
     """:func:`train_with_a_nan` under each ``[dmuon] nonfinite_grad_norm`` policy."""
     register()
-    return {policy: train_with_a_nan(rank, world, policy) for policy in POLICIES}
+    with PatchRegistry() as patches:  # what DMuonTrainer installs: the CPU layer
+        enable_cpu_support(patches)
+        return {policy: train_with_a_nan(rank, world, policy) for policy in POLICIES}
 
 
 def build_debug_llama3(rank: int, world: int, *flags: str):
@@ -258,20 +262,26 @@ def implementation_worker(rank: int, world: int) -> dict[str, dict]:
     this rank's AdamW state and weights after it."""
     register()
     result = {}
-    for implementation in IMPLEMENTATIONS:
-        model, optimizers, _, tokens, job_config = build_debug_llama3(
-            rank, world, "--optimizer.implementation", implementation
-        )
-        forward_backward(model, tokens)
-        optimizers.clip_grad_norm_(job_config.training.max_norm, 1)
-        optimizers.step()
-        (muon,) = optimizers.optimizers
-        adamw_group = muon.param_groups[1]
-        result[implementation] = {
-            "flags": (adamw_group["foreach"], adamw_group["fused"]),
-            "state": _snapshot(model, optimizers),
-        }
+    with PatchRegistry() as patches:
+        enable_cpu_support(patches)
+        for implementation in IMPLEMENTATIONS:
+            result[implementation] = _one_step(rank, world, implementation)
     return result
+
+
+def _one_step(rank: int, world: int, implementation: str) -> dict:
+    model, optimizers, _, tokens, job_config = build_debug_llama3(
+        rank, world, "--optimizer.implementation", implementation
+    )
+    forward_backward(model, tokens)
+    optimizers.clip_grad_norm_(job_config.training.max_norm, 1)
+    optimizers.step()
+    (muon,) = optimizers.optimizers
+    adamw_group = muon.param_groups[1]
+    return {
+        "flags": (adamw_group["foreach"], adamw_group["fused"]),
+        "state": _snapshot(model, optimizers),
+    }
 
 
 def in_process_worker(rank: int, world: int) -> dict[str, dict]:

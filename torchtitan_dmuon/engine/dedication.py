@@ -142,6 +142,7 @@ class Dedication:
         self.slot_ranks: list[int] | None = None
         self.expert_owner_ranks: dict[tuple[int, int, int], int] | None = None
         self.initialized = False
+        self._on_remove: list = []
         for d in plan.params:
             module_name, _, param_name = d.name.rpartition(".")
             patches.mark_dedicated(model.get_submodule(module_name), param_name)
@@ -573,10 +574,17 @@ class Dedication:
                 total[key] += value
         return total
 
+    def on_remove(self, undo) -> None:
+        """Call ``undo()`` in :meth:`remove` (what attached to the dedication from outside,
+        such as a pipeline stage's methods, goes with it)."""
+        self._on_remove.append(undo)
+
     def remove(self) -> None:
-        """Undo :func:`dedicate_params`: the hooks and marks go (the values stay where they
-        are) and the engine's process groups are destroyed."""
+        """Undo :func:`dedicate_params`: the hooks, marks and a pipeline stage's methods go
+        (the values stay where they are) and the engine's process groups are destroyed."""
         self.wait_replicas()
+        while self._on_remove:
+            self._on_remove.pop()()
         self.driver.remove()
         _DEDICATIONS.pop(self.model, None)
         for module in self.model.modules():

@@ -67,3 +67,12 @@ def attach_pipeline_stage(stage: _PipelineStageBase) -> None:
 
     stage.backward_maybe_with_nosync = backward_maybe_with_nosync
     stage.scale_grads = scale
+
+    def detach() -> None:
+        # The instance attributes shadow the class's methods: deleting them restores those.
+        del stage.backward_maybe_with_nosync, stage.scale_grads
+        dedication.pipeline_stage = None
+        dedication.requires_gradient_sync = True
+        dedication.reshard_after_backward = True
+
+    dedication.on_remove(detach)

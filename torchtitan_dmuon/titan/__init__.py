@@ -6,6 +6,8 @@
 * ``optimizer.py``: the optimizer container and builder;
 * ``checkpoint.py``: topology-independent model state for DCP;
 * ``cpu.py``: the CPU (gloo) layer;
+* ``patches.py``: the registry every replacement of a torch or TorchTitan name goes
+  through, undone when the trainer ends;
 * ``train.py``: the training entry point (``run_train.sh`` runs it).
 
 A new model goes in :data:`MODELS` below, if its parallelize function applies FSDP through
@@ -17,8 +19,6 @@ from __future__ import annotations
 import dataclasses
 
 from torchtitan.protocols.train_spec import get_train_spec, register_train_spec
-
-from torchtitan_dmuon.titan.cpu import enable_cpu_support
 
 __all__ = ["MODELS", "register"]
 
@@ -54,13 +54,13 @@ def _wrap_optimizer_builder(build_optimizers_fn):
 
 
 def register() -> None:
-    """Register DMuon-aware train specs for :data:`MODELS` and the CPU layer. Idempotent."""
+    """Register DMuon-aware train specs for :data:`MODELS`. Idempotent. (The CPU layer is
+    the trainer's: ``DMuonTrainer`` installs it and undoes it.)"""
     global _registered
     if _registered:
         return
     from torchtitan_dmuon.titan.parallelize import with_dedication, with_pipeline_stages
 
-    enable_cpu_support()
     for name in MODELS:
         spec = get_train_spec(name)
         pipelining_fn = spec.pipelining_fn

@@ -18,7 +18,6 @@ whatever the old topology wrote, and the engine distributes it.
 from __future__ import annotations
 
 import logging
-import warnings
 from typing import Any
 
 import torch
@@ -45,12 +44,6 @@ from torchtitan_dmuon.engine.plan import DedicatedParam
 from torchtitan_dmuon.titan.parallelize import clean_fqn
 
 logger = logging.getLogger(__name__)
-
-# DCP warns on every ShardedTensor it plans; the split stacks' pieces have no DTensor
-# layout (an owner's piece is not a mesh shard).
-warnings.filterwarnings(
-    "ignore", message="Please use DTensor instead and we are deprecating ShardedTensor"
-)
 
 __all__ = ["DMuonModelWrapper", "LRSchedulersWrapper", "as_saved", "load_into"]
 

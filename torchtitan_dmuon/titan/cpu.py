@@ -16,8 +16,9 @@ TorchTitan targets accelerators. On a machine without one (CI, laptops) this lay
   expert parallelism with TorchTitan's CPU implementation, not its Triton kernel;
 * turns the c10d flight recorder off unless the user sized it (it fragments the heap).
 
-:func:`enable_cpu_support` applies it only when no CUDA device is present; GPU runs never
-go through it.
+:func:`enable_cpu_support` applies it only when no CUDA device is present (GPU runs never
+go through it), through the trainer's :class:`~torchtitan_dmuon.titan.patches.PatchRegistry`,
+which undoes all of it when the trainer ends.
 """
 
 from __future__ import annotations
@@ -32,11 +33,11 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from torchtitan_dmuon.titan.patches import PatchRegistry
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["enable_cpu_support", "cpu_support_enabled"]
-
-_enabled = False
+__all__ = ["enable_cpu_support"]
 
 
 def _process_memory_stats(*args, **kwargs) -> dict[str, int]:
@@ -101,10 +102,6 @@ class _ProfileWithoutMissingActivities(torch.profiler.profile):
         super().__init__(*args, activities=activities, **kwargs)
 
 
-def cpu_support_enabled() -> bool:
-    return _enabled
-
-
 def _without_default_flight_recorder(init_distributed):
     """TorchTitan's ``init_distributed`` with the c10d flight recorder off unless the user
     sized it (``--comm.trace_buf_size`` other than TorchTitan's default).
@@ -135,11 +132,11 @@ def _without_default_flight_recorder(init_distributed):
     return wrapper
 
 
-def enable_cpu_support() -> bool:
-    """Apply the CPU layer if there is no CUDA device. Returns whether it is active."""
-    global _enabled
-    if _enabled or torch.cuda.is_available():
-        return _enabled
+def enable_cpu_support(patches: PatchRegistry) -> bool:
+    """Apply the CPU layer through ``patches`` if there is no CUDA device. Returns whether
+    it is active."""
+    if torch.cuda.is_available():
+        return False
     import torchtitan.components.metrics as metrics
     import torchtitan.distributed.parallel_dims as parallel_dims
     import torchtitan.distributed.utils as dist_utils
@@ -152,18 +149,27 @@ def enable_cpu_support() -> bool:
 
     device_module = _cpu_device_module()
     for module in (tools_utils, dist_utils, metrics):
-        module.device_type = "cpu"
-        module.device_module = device_module
-    parallel_dims.device_type = "cpu"
-    profiling.device_module = device_module
+        patches.setattr(module, "device_type", "cpu")
+        patches.setattr(module, "device_module", device_module)
+    patches.setattr(parallel_dims, "device_type", "cpu")
+    patches.setattr(profiling, "device_module", device_module)
     for module in (llama3_parallelize, llama4_parallelize):
-        module.disable_fsdp_gradient_division = _disable_fsdp_gradient_division_with_sum
-    torch.histc = _histc_any_dtype(torch.histc)
-    moe_utils.generate_permute_indices = _permute_indices_on_cpu(moe_utils.generate_permute_indices)
-    torch.profiler.profile = _ProfileWithoutMissingActivities
+        patches.setattr(
+            module, "disable_fsdp_gradient_division", _disable_fsdp_gradient_division_with_sum
+        )
+    patches.setattr(torch, "histc", _histc_any_dtype(torch.histc))
+    patches.setattr(
+        moe_utils,
+        "generate_permute_indices",
+        _permute_indices_on_cpu(moe_utils.generate_permute_indices),
+    )
+    patches.setattr(torch.profiler, "profile", _ProfileWithoutMissingActivities)
     for args in qwen3_args.values():
-        args.moe_args.use_grouped_mm = False
-    dist_utils.init_distributed = _without_default_flight_recorder(dist_utils.init_distributed)
-    _enabled = True
+        patches.setattr(args.moe_args, "use_grouped_mm", False)
+    patches.setattr(
+        dist_utils,
+        "init_distributed",
+        _without_default_flight_recorder(dist_utils.init_distributed),
+    )
     logger.info("TorchTitan CPU support enabled: device cpu, gloo, SUM reductions")
     return True

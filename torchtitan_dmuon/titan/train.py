@@ -8,6 +8,9 @@
 * train specs for the models of ``titan.MODELS`` whose parallelize and optimizer functions use
   DMuon when ``[optimizer] name = "DMuon"`` (and are TorchTitan's own otherwise);
 * the CPU layer (``titan/cpu.py``) where there is no GPU;
+* every replacement of a torch or TorchTitan name made through one
+  :class:`~torchtitan_dmuon.titan.patches.PatchRegistry`, undone when the trainer closes
+  (after training or an error);
 * with DMuon on: DMuon's gradient clipping (correct over dedicated and FSDP parameters,
   and over pipeline stages) and its ``[dmuon] nonfinite_grad_norm`` policy; under pipeline
   parallelism gradients divided by the global token count as without it,
@@ -32,7 +35,9 @@ from torchtitan.train import Trainer, main
 from torchtitan_dmuon.engine import get_dedication
 from torchtitan_dmuon.titan import register
 from torchtitan_dmuon.titan.checkpoint import DMuonModelWrapper, LRSchedulersWrapper
+from torchtitan_dmuon.titan.cpu import enable_cpu_support
 from torchtitan_dmuon.titan.parallelize import DMUON
+from torchtitan_dmuon.titan.patches import PatchRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +48,29 @@ class DMuonTrainer(Trainer):
     """TorchTitan's ``Trainer`` with DMuon's clipping, checkpoint state and metrics."""
 
     def __init__(self, job_config) -> None:
-        super().__init__(job_config)
+        # Every replacement of a torch or TorchTitan name, undone by close() (TorchTitan's
+        # main calls it after training and after an error) or here if building fails.
+        self.patches = PatchRegistry()
+        try:
+            enable_cpu_support(self.patches)
+            # DCP warns on every ShardedTensor it plans; the split stacks' pieces have no
+            # DTensor layout (an owner's piece is not a mesh shard).
+            self.patches.filter_warnings(
+                "ignore", message="Please use DTensor instead and we are deprecating ShardedTensor"
+            )
+            super().__init__(job_config)
+            self._adapt(job_config)
+        except BaseException:
+            self.patches.restore()
+            raise
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self.patches.restore()
+
+    def _adapt(self, job_config) -> None:
         self.dedications = []
         # Either optimizer resumes from the other's checkpoint (different param groups).
         self.checkpointer.states[LR_SCHEDULER] = LRSchedulersWrapper(self.lr_schedulers)
@@ -54,8 +81,8 @@ class DMuonTrainer(Trainer):
         self.checkpointer.states[MODEL] = DMuonModelWrapper(self.model_parts)
         # The train step clips through this module attribute; TorchTitan's own cannot see
         # gradients held by owners and fails on a mix of DTensor and plain gradients.
-        dist_utils.clip_grad_norm_ = self._clip_grad_norm
-        dist_utils.set_pg_timeouts = self._set_pg_timeouts
+        self.patches.setattr(dist_utils, "clip_grad_norm_", self._clip_grad_norm)
+        self.patches.setattr(dist_utils, "set_pg_timeouts", self._set_pg_timeouts)
         self._last_bytes: dict[str, int] = {}
         self._last_step_seconds = 0.0
         self._last_step = 0
@@ -74,7 +101,7 @@ class DMuonTrainer(Trainer):
             )
             return log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra)
 
-        self.metrics_processor.log = log_with_dmuon
+        self.patches.setattr(self.metrics_processor, "log", log_with_dmuon)
 
     def train(self) -> None:
         super().train()

@@ -1,0 +1,56 @@
+"""Every replacement of a torch or TorchTitan name is scoped to the trainer: after
+``DMuonTrainer`` ends, whether it trained to the end or failed while being built, each
+name is the original again (``tests/trainer_patches_probe.py`` runs both in one process)."""
+
+import json
+import socket
+import subprocess
+import sys
+
+from tests.test_titan_integration import ROOT, train_env
+
+ONE_STEP = ["--training.steps", "1", "--dmuon.ns_dtype", "float32", "--dmuon.ns_backend", "torch"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_trainer_undoes_every_patch_after_training_and_after_an_error(tmp_path):
+    dump = tmp_path / "run"
+    env = train_env(1, dump, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    args = [
+        "--job.config_file", "train_configs/debug_cpu.toml",
+        "--job.custom_config_module", "torchtitan_dmuon.titan.config",
+        "--job.dump_folder", str(dump), *ONE_STEP,
+    ]  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "tests/trainer_patches_probe.py", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("PROBE ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    probe = json.loads(lines[-1].removeprefix("PROBE "))
+    # What the trainer replaced while it ran (the CPU layer and its own), all of it
+    # replaced then, and all of it back after the completed run and after the failed one.
+    for name in (
+        "torch.histc",
+        "torch.profiler.profile",
+        "torchtitan.distributed.utils.clip_grad_norm_",
+        "torchtitan.distributed.utils.init_distributed",
+        "torchtitan.distributed.utils.set_pg_timeouts",
+        "MetricsProcessor.log",
+    ):
+        assert name in probe["replaced"], probe["replaced"]
+    assert probe["were_patched"]
+    assert probe["after_completed"] and all(probe["after_completed"].values()), probe
+    assert "ns_backend='triton' needs" in (probe["failing_error"] or ""), probe
+    assert probe["after_failing"] and all(probe["after_failing"].values()), probe
+    assert probe["torch_originals"]
