@@ -300,6 +300,19 @@ BAD_INPUT = [
     (["--parallelism.expert_parallel_degree", "2"], 2, "needs a MoE model"),
     # llama4_debug_moe.toml runs with expert parallelism 2.
     ([*LLAMA4_NAMED_LAST, "--dmuon.params", "layers.*.moe.experts.w9"], 2, "matches no parameter"),
+    # A split-backward (zero-bubble) schedule with FSDP: refused, naming the workaround.
+    (
+        [
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.pipeline_parallel_schedule",
+            "ZBVZeroBubble",
+            "--parallelism.data_parallel_shard_degree",
+            "2",
+        ],
+        4,
+        "--parallelism.data_parallel_replicate_degree N",
+    ),  # fmt: skip
 ]
 
 

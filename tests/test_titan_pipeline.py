@@ -30,12 +30,16 @@ def pp(degree: int, schedule: str, *more: str) -> list[str]:
 
 DP1 = ["--parallelism.data_parallel_shard_degree", "1"]
 DP2 = ["--parallelism.data_parallel_shard_degree", "2"]
+# Data parallelism without FSDP (DMuon's DDP-style sync): what split-backward schedules
+# need, as DMuon refuses them with FSDP (torch 2.13's weight pass breaks FSDP's gradients).
+REPLICATE2 = ["--parallelism.data_parallel_replicate_degree", "2", *DP1]
 CSV = ["--parallelism.pipeline_parallel_schedule_csv", "./tests/assets/pp_schedule_4mb.csv"]
 
 # TorchTitan's cases, with its overrides (its CSV has 8 micro-batches, our debug config 4:
 # tests/assets/pp_schedule_4mb.csv is the same kind of split-backward looped schedule), and
-# the same schedules with 2 data-parallel ranks added (FSDP; TorchTitan refuses DDP with
-# PP). log_rank: a rank holding the last stage, the only one that logs the loss.
+# the same schedules with 2 data-parallel ranks added (FSDP; the split-backward ones
+# DDP-style, REPLICATE2). log_rank: a rank holding the last stage, the only one that logs
+# the loss.
 # TorchTitan's pp_dp_1f1b_layers_per_stage (1F1B, 4 layers per stage, PP 2 x DP 2) is the
 # 1F1B run of test_pipeline_equals_data_parallel_and_checkpoints_cross_pp, checked there.
 CASES = {
@@ -64,8 +68,12 @@ CASES = {
         ngpu=4,
         log_rank=3,
     ),
-    "zbv_dp2": OverrideDefinitions(
-        [pp(2, "ZBVZeroBubble", *DP2)], "PP ZBV + DP 2", "zbv_dp2", ngpu=4, log_rank=0
+    "zbv_replicate2": OverrideDefinitions(
+        [pp(2, "ZBVZeroBubble", *REPLICATE2)],
+        "PP ZBV + replicate 2",
+        "zbv_replicate2",
+        ngpu=4,
+        log_rank=0,
     ),
     "looped_1f1b_dp2": OverrideDefinitions(
         [pp(2, "Interleaved1F1B", *DP2)],
@@ -74,17 +82,17 @@ CASES = {
         ngpu=4,
         log_rank=2,
     ),
-    "looped_zero_bubble_dp2": OverrideDefinitions(
-        [pp(2, "InterleavedZeroBubble", *DP2)],
-        "PP looped zero bubble + DP 2",
-        "looped_zero_bubble_dp2",
+    "looped_zero_bubble_replicate2": OverrideDefinitions(
+        [pp(2, "InterleavedZeroBubble", *REPLICATE2)],
+        "PP looped zero bubble + replicate 2",
+        "looped_zero_bubble_replicate2",
         ngpu=4,
         log_rank=2,
     ),
-    "custom_csv_dp2": OverrideDefinitions(
-        [pp(2, "PipelineScheduleMulti", *CSV, *DP2)],
-        "PP CSV schedule + DP 2",
-        "custom_csv_dp2",
+    "custom_csv_replicate2": OverrideDefinitions(
+        [pp(2, "PipelineScheduleMulti", *CSV, *REPLICATE2)],
+        "PP CSV schedule + replicate 2",
+        "custom_csv_replicate2",
         ngpu=4,
         log_rank=2,
     ),
@@ -198,8 +206,7 @@ def test_pipeline_equals_data_parallel_and_checkpoints_cross_pp(tmp_path, tmp_pa
     )
     # Zero bubble with DMuon's DDP-style data parallelism (FSDP2's own parameters get
     # wrong gradients from torch's zero-bubble weight pass; TorchTitan refuses its DDP).
-    replicate = ["--parallelism.data_parallel_replicate_degree", "2", *DP1]
-    zbv = run_train([*common, *pp(2, "ZBVZeroBubble", *replicate)], 4, tmp_path / "zbv", config)
+    zbv = run_train([*common, *pp(2, "ZBVZeroBubble", *REPLICATE2)], 4, tmp_path / "zbv", config)
     steps = list(SEED_STEPS)
     for run in (reference, gpipe, one_f_one_b, zbv):
         assert run.returncode == 0, run.output[-3000:]

@@ -93,6 +93,13 @@ class DMuon:
     """HSDP only: broadcast new values across replicas asynchronously after the step, hidden
     behind the next forward."""
 
+    split_backward_with_fsdp: bool = False
+    """Run a pipeline schedule that splits backward into input and weight passes (zero
+    bubble, DualPipeV, a CSV with W actions) with FSDP. Off: refused at startup, since
+    torch 2.13's weight pass gives FSDP's own parameters wrong gradients (with any
+    optimizer); data_parallel_replicate_degree instead of data_parallel_shard_degree runs
+    such schedules with DMuon's DDP-style sync, correctly."""
+
     lr: float = 0.02
     """Muon learning rate (before adjust_lr_fn); the LR scheduler scales it like AdamW's."""
 

@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining.schedules import BACKWARD_WEIGHT
 
 from torchtitan_dmuon.engine import attach_pipeline_stage, dedicate_params, get_dedication
 from torchtitan_dmuon.engine.plan import default_boundary_modules
@@ -263,6 +264,32 @@ def with_dedication(parallelize_fn: Callable) -> Callable:
     return parallelize
 
 
+def _splits_backward(schedule) -> bool:
+    """Whether ``schedule`` runs weight passes apart from input passes (zero bubble, DualPipeV,
+    a CSV schedule with ``W`` actions): every rank holds the whole pipeline order."""
+    for order in (getattr(schedule, "pipeline_order", None) or {}).values():
+        if any(a is not None and a.computation_type == BACKWARD_WEIGHT for a in order):
+            return True
+    return False
+
+
+def _check_split_backward(schedule, parallel_dims, job_config) -> None:
+    if not (parallel_dims.fsdp_enabled and _splits_backward(schedule)):
+        return
+    if job_config.dmuon.split_backward_with_fsdp:
+        return
+    name = job_config.parallelism.pipeline_parallel_schedule
+    raise ValueError(
+        f"--parallelism.pipeline_parallel_schedule {name}: this schedule splits backward "
+        "into input and weight passes, and torch 2.13's weight pass gives FSDP's own "
+        "parameters (norms, embeddings, the output head) wrong gradients, with any "
+        "optimizer. Use data parallelism without FSDP, which DMuon keeps in sync itself: "
+        "--parallelism.data_parallel_replicate_degree N "
+        "--parallelism.data_parallel_shard_degree 1, or a schedule with full backwards "
+        "(GPipe, 1F1B, Interleaved1F1B); --dmuon.split_backward_with_fsdp runs it anyway"
+    )
+
+
 def with_pipeline_stages(pipelining_fn: Callable) -> Callable:
     """Wrap a TorchTitan pipelining function so that, with DMuon, the ``[dmuon]`` patterns
     are checked on the whole model and each pipeline stage drives its part's dedication
@@ -279,7 +306,9 @@ def with_pipeline_stages(pipelining_fn: Callable) -> Callable:
             for stage in stages:
                 if get_dedication(stage.submod) is not None:  # else AdamW alone
                     attach_pipeline_stage(stage)
-            return originals["build_pipeline_schedule"](job_config_, stages, loss_fn)
+            schedule = originals["build_pipeline_schedule"](job_config_, stages, loss_fn)
+            _check_split_backward(schedule, parallel_dims, job_config_)  # before any step
+            return schedule
 
         namespace = pipelining_fn.__globals__
         with _swapped(namespace, build_pipeline_schedule=build_pipeline_schedule) as originals:
