@@ -399,7 +399,7 @@ def test_bad_input_raises_clear_errors_on_every_rank():
         "async_without_replicas": ("ValueError", "replicate_async=True needs"),
         "after_fsdp": ("RuntimeError", "before fully_shard"),
         "twice": ("RuntimeError", "already applied"),
-        "disagree": ("RuntimeError", "disagree"),
+        "disagree": ("ValueError", "selected different matrices"),  # in dedicate_params
         "step_before_backward": ("RuntimeError", "before any backward"),
         "experts_without_expert_mesh": ("ValueError", "'layers.0.experts_proj'"),
         "expert_mesh_too_large": ("ValueError", "must make up mesh"),

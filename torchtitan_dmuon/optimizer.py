@@ -194,10 +194,8 @@ class Muon(torch.optim.Optimizer):
         """What ``ns_backend="auto"`` measured and picked (None for a named backend)."""
         if ns_backend == "auto":
             self.ns_backend_report = self._choose_ns_backends(schedule, muon_params)
-        if self.dedication is not None:
-            if replicate_async:
-                # The engine's settings are the one place; this argument lands there.
-                self.dedication.settings.replicate_async = True
+        if replicate_async:
+            self.dedication.set_replicate_async(True)
 
     def _ns_device(self, muon_params: list[nn.Parameter]) -> torch.device:
         if self.dedication is not None:

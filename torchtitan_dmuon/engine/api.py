@@ -14,6 +14,7 @@ owner holds its reduced gradient: ``Dedication.owned_grads``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -35,6 +36,12 @@ from torchtitan_dmuon.engine.plan import (
 from torchtitan_dmuon.engine.recovery import reset_fsdp_state
 from torchtitan_dmuon.engine.selection import Predicate, select_matrices
 from torchtitan_dmuon.engine.settings import DedicationSettings
+from torchtitan_dmuon.engine.verification import (
+    Intent,
+    agree_on_intent,
+    model_tensor_parallel_mesh,
+    selection_hash,
+)
 from torchtitan_dmuon.optim.newton_schulz import matrix_count
 
 __all__ = [
@@ -411,7 +418,8 @@ def dedicate_params(
             else the root.
         reshard_after_forward: True (Z3) or False (Z2); see :class:`DedicationSettings`.
         replicate_async: HSDP: hide the replicate broadcast behind the next forward
-            (``Muon(replicate_async=True)`` sets the same).
+            (``Muon(replicate_async=True)`` switches it on too, through
+            ``Dedication.set_replicate_async``).
         gradient_divide_factor: See :class:`DedicationSettings`.
         expert_mesh: Under expert parallelism, the 1-D mesh of the ranks that hold the
             same experts (TorchTitan's ``efsdp``; ``mesh`` is it times the ``ep`` mesh).
@@ -424,7 +432,11 @@ def dedicate_params(
         The :class:`Dedication` (also reachable through :func:`get_dedication`).
 
     Raises:
-        ValueError / TypeError / RuntimeError: bad input, always before any collective.
+        ValueError / TypeError / RuntimeError: bad input, before any collective of the
+            engine. What depends on each rank's selection (the predicate, the tensor- and
+            expert-parallel layouts) is judged on every rank alike after one small
+            all-gather over the given meshes' groups, so a rank-dependent predicate or
+            layout raises the same error everywhere instead of hanging.
     """
     _validate_meshes(mesh, replicate_mesh, expert_mesh)
     if any(isinstance(m, FSDPModule) for m in model.modules()):
@@ -437,13 +449,29 @@ def dedicate_params(
     if replicate_async and replicate_mesh is None:
         raise ValueError("replicate_async=True needs replicate_mesh (HSDP)")
     settings = DedicationSettings(reshard_after_forward, replicate_async, gradient_divide_factor)
-    selected = select_matrices(model, predicate)
-    if not selected:
-        raise ValueError("predicate selected no trainable 2-D or 3-D parameter")
-    tp_mesh = _tensor_parallel_mesh(selected)
-    _check_orthogonal(mesh, tp_mesh)
+    # The checks that depend on what this rank selected: their verdict is agreed with every
+    # rank of the dedication before anything rank-dependent runs (engine/verification.py).
+    selected, tp_mesh, error = [], None, None
+    try:
+        selected = select_matrices(model, predicate)
+        if not selected:
+            raise ValueError("predicate selected no trainable 2-D or 3-D parameter")
+        tp_mesh = _tensor_parallel_mesh(selected)
+        _check_orthogonal(mesh, tp_mesh)
+        expert_mesh = _expert_domain_mesh(selected, mesh, expert_mesh, tp_mesh)
+    except (ValueError, TypeError) as e:
+        error = str(e)
+    groups = (replicate_mesh is not None, tp_mesh is not None, expert_mesh is not None)
+    intent = Intent(
+        names=tuple(name for name, _ in selected),
+        selection=selection_hash(selected),
+        settings=dataclasses.astuple(settings),
+        groups=groups if error is None else (),
+        error=error,
+    )
+    # Over the model's TP mesh, which does not depend on the selection.
+    agree_on_intent(intent, mesh, replicate_mesh, model_tensor_parallel_mesh(model))
     expert_columns = None
-    expert_mesh = _expert_domain_mesh(selected, mesh, expert_mesh, tp_mesh)
     if expert_mesh is not None:
         # Which experts' column each shard-group rank is (the two domains are balanced
         # together): the one collective of planning, after every check.

@@ -11,6 +11,7 @@ protocol: :meth:`owned_grads`, :meth:`before_step`, :meth:`after_step`, :meth:`z
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import weakref
 from dataclasses import dataclass
@@ -159,6 +160,14 @@ class Dedication:
     def domain_of(self, unit: Unit) -> ShardGroups:
         """The shard and reduce groups ``unit`` moves over."""
         return self.domains[unit.plan.domain]
+
+    def set_replicate_async(self, enabled: bool) -> None:
+        """Switch HSDP's asynchronous replicate broadcast on or off (every rank alike);
+        the broadcasts in flight land first."""
+        if enabled and self.replicas is None:
+            raise ValueError("replicate_async=True needs dedicate_params(..., replicate_mesh=...)")
+        self.wait_replicas()
+        self.settings = dataclasses.replace(self.settings, replicate_async=enabled)
 
     @property
     def replicate_size(self) -> int:

@@ -1,4 +1,4 @@
-"""The settings of one dedication, given once at ``dedicate_params``."""
+"""The settings of one dedication, given once at ``dedicate_params`` and frozen."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ from dataclasses import dataclass
 __all__ = ["DedicationSettings"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class DedicationSettings:
-    """How the engine moves the dedicated matrices of one model.
+    """How the engine moves the dedicated matrices of one model; frozen: runtime switches
+    go through :class:`~torchtitan_dmuon.engine.dedication.Dedication`'s setters.
 
     Attributes:
         reshard_after_forward: True (Z3): ranks outside a matrix's owner column free it

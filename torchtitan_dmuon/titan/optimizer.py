@@ -55,7 +55,6 @@ def _muon_kwargs(model: nn.Module, optimizer_config) -> dict:
         # [optimizer] implementation, mapped as TorchTitan maps it for its own AdamW.
         adamw_foreach=optimizer_config.implementation == "foreach",
         adamw_fused=optimizer_config.implementation == "fused",
-        replicate_async=settings.replicate_async and dedicated,
         # One data-parallel rank (no dedication): the [dmuon] patterns select in place.
         predicate=None if dedicated else muon_predicate(settings),
     )
