@@ -383,13 +383,20 @@ def reference_setup(ns_dtype=torch.bfloat16):
         muon_module._zeropower_via_newtonschulz = original
 
 
-def train_one_process(model, steps: int, step_loss, predicate=proj_predicate) -> list[float]:
-    """One process, in place: torch.optim.Muon on the ``predicate``'s matrices and
-    torch.optim.AdamW on the rest; ``step_loss(model, step)`` gives each step's loss. Run
-    it inside :func:`reference_setup`. Returns the losses."""
+def train_one_process(
+    model,
+    steps: int,
+    step_loss,
+    predicate=proj_predicate,
+    muon_kw=MUON_KW,
+    adamw_kw=REFERENCE_ADAMW_KW,
+) -> list[float]:
+    """One process, in place: torch.optim.Muon (``muon_kw``) on the ``predicate``'s
+    matrices and torch.optim.AdamW (``adamw_kw``) on the rest; ``step_loss(model, step)``
+    gives each step's loss. Run it inside :func:`reference_setup`. Returns the losses."""
     muon = [p for n, p in model.named_parameters() if predicate(n, p)]
     rest = [p for n, p in model.named_parameters() if not predicate(n, p)]
-    opts = [torch.optim.Muon(muon, **MUON_KW), torch.optim.AdamW(rest, **REFERENCE_ADAMW_KW)]
+    opts = [torch.optim.Muon(muon, **muon_kw), torch.optim.AdamW(rest, **adamw_kw)]
     losses = []
     for step in range(steps):
         for o in opts:

@@ -1,0 +1,117 @@
+"""The README's parallelism snippets, run as written: each one prepares ``model`` on 4 gloo
+ranks and builds ``optimizer``; four steps of it then equal one-process torch.optim.Muon +
+torch.optim.AdamW (Muon's defaults) on the whole batch."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+import torchtitan_dmuon as dmuon
+from tests.dist import run_distributed
+from tests.models import TokenModel, batch, loss_fn, proj_predicate
+from tests.test_titan_integration import ROOT
+from tests.workers import full_params, reference_setup, train_one_process
+
+STEPS, SAMPLES, SEQ, VOCAB = 4, 8, 8, 64
+WORLD = 4
+# Muon's defaults, as the snippets build it.
+MUON_DEFAULTS = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.0)
+ADAMW_DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, fused=True)
+
+
+def guide_snippets() -> dict[str, str]:
+    """The Python blocks of the README's parallelism guide, by their first word."""
+    readme = (ROOT / "README.md").read_text()
+    guide = readme[readme.index("## Parallelism guide") : readme.index("## Architecture")]
+    blocks = re.findall(r"```python\n(.*?)```", guide, flags=re.S)
+    return {block.split()[1].rstrip(":"): block for block in blocks}
+
+
+def _model() -> TokenModel:
+    torch.manual_seed(0)
+    return TokenModel(VOCAB)
+
+
+def snippet_worker(rank: int, world: int, snippets: dict[str, str]) -> dict[str, dict]:
+    results = {}
+    for name, code in snippets.items():
+        model = _model()
+        scope = dict(
+            dmuon=dmuon,
+            init_device_mesh=init_device_mesh,
+            fully_shard=fully_shard,
+            parallelize_module=parallelize_module,
+            ColwiseParallel=ColwiseParallel,
+            RowwiseParallel=RowwiseParallel,
+            model=model,
+            predicate=proj_predicate,
+            world_size=world,
+        )
+        exec(code, scope)
+        optimizer, dedication = scope["optimizer"], dmuon.get_dedication(model)
+        dp_size = dedication.shard_size * dedication.replicate_size
+        dp_rank = dedication.replicate_rank * dedication.shard_size + dedication.shard_rank
+        per = SAMPLES // dp_size
+        losses = []
+        for step in range(STEPS):
+            inputs, targets = batch(100 + step, SAMPLES, SEQ, VOCAB)
+            mine = slice(dp_rank * per, (dp_rank + 1) * per)
+            optimizer.zero_grad()
+            loss = loss_fn(model, inputs[mine], targets[mine])
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        names = {n for n, p in model.named_parameters() if proj_predicate(n, p)}
+        results[name] = {
+            "losses": losses,
+            "dp": (dp_rank, dp_size),
+            "params": full_params(model, names),
+            "ns_dtype": optimizer.ns_dtype,
+        }
+        dedication.wait_replicas()
+    return results
+
+
+@pytest.fixture(scope="module")
+def snippet_runs() -> list[dict[str, dict]]:
+    return run_distributed(snippet_worker, WORLD, guide_snippets(), timeout=300)
+
+
+def test_guide_has_its_snippets():
+    assert sorted(guide_snippets()) == ["DDP", "FSDP", "HSDP", "TP"]
+
+
+@pytest.mark.parametrize("name", ["DDP", "FSDP", "HSDP", "TP"])
+def test_guide_snippet_trains_like_one_process(name, snippet_runs):
+    by_rank = [r[name] for r in snippet_runs]
+    ns_dtype = by_rank[0]["ns_dtype"]
+    with reference_setup(ns_dtype):
+        model = _model()
+        expected = train_one_process(
+            model,
+            STEPS,
+            lambda m, step: loss_fn(m, *batch(100 + step, SAMPLES, SEQ, VOCAB)),
+            muon_kw=MUON_DEFAULTS,
+            adamw_kw=ADAMW_DEFAULTS,
+        )
+    # Each data-parallel rank's loss once (TP peers compute the same one).
+    firsts = {r["dp"]: r["losses"] for r in by_rank}
+    dp_size = by_rank[0]["dp"][1]
+    assert len(firsts) == dp_size
+    losses = [sum(step) / dp_size for step in zip(*firsts.values(), strict=True)]
+    rtol = 1e-4 if ns_dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(losses, expected, rtol=rtol, atol=1e-6)
+    reference = dict(model.named_parameters())
+    for r in by_rank:
+        for param, value in r["params"].items():
+            torch.testing.assert_close(value, reference[param].detach(), rtol=rtol, atol=1e-5)
