@@ -30,7 +30,7 @@ from torchtitan_dmuon.engine.agreement import (
     failed_ranks,
     job_ns_dtype,
 )
-from torchtitan_dmuon.engine.api import mesh_device
+from torchtitan_dmuon.engine.comm import mesh_device
 from torchtitan_dmuon.engine.selection import select_matrices
 from torchtitan_dmuon.optim.muon import ADJUST_LR_FNS, apply_muon_update, muon_update
 from torchtitan_dmuon.optim.newton_schulz import EPS, matrix_count, resolve_ns_schedule
@@ -352,7 +352,7 @@ class Muon(torch.optim.Optimizer):
             shapes, group_ns = None, ns
             if split is not None:
                 shapes = [key.shape for key in keys]
-                group_ns = self.dedication.sharded_ns(
+                group_ns = self.dedication.tensor_parallel.sharded_ns(
                     split, ns, schedule, eps=self.eps, dtype=self.ns_dtype, backend=self.ns_backend
                 )
             update = muon_update(

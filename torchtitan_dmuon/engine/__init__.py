@@ -2,14 +2,21 @@
 
 Layers, one file each (none imports TorchTitan):
 
-* ``selection.py``: which parameters Muon takes;
+* ``selection.py``: which parameters Muon takes; ``layouts.py``: the meshes and the
+  tensor- and expert-parallel layouts it accepts;
 * ``partition.py``, ``plan.py``: owners, boundaries and units (pure, no collectives);
 * ``unit.py``: a unit's flat buffer, its gradients and reduce buckets;
 * ``hooks.py``: the forward/backward hooks and the per-pass state;
 * ``replicas.py``: HSDP's second stage; ``others.py``: DDP-style sync of the rest;
-* ``comm.py``: the collectives, on the engine's own process groups, counted;
+* ``tensor_parallel.py``: the Newton-Schulz an owner column's TP ranks run together;
+* ``comm.py``: the collectives and groups, on the engine's own process groups, counted;
+* ``verification.py``: the cross-rank verdicts (what each rank dedicates, the plan);
+  ``agreement.py``: the per-device choices every rank shares (``auto`` NS dtype, backends);
 * ``dedication.py``: the runtime that composes them; ``api.py``: ``dedicate_params``;
-* ``settings.py``: one settings object per dedication; ``patches.py``: the FSDP2 patch;
+* ``geometry.py``: checkpoint geometry and the balance report;
+* ``recovery.py``: FSDP2's part of recovering from a failed pass;
+* ``settings.py``: one frozen settings object per dedication; ``patches.py``: the FSDP2
+  patch;
 * ``grad_norm.py``: gradient clipping over dedicated and FSDP parameters;
 * ``pipeline.py``: pipeline stages (``torch.distributed.pipelining``) over dedicated parts.
 """
@@ -19,12 +26,12 @@ from torchtitan_dmuon.engine.api import (
     get_full_param,
     reset_iter_state,
     set_requires_gradient_sync,
-    verify_plan,
 )
 from torchtitan_dmuon.engine.dedication import Dedication, get_dedication
 from torchtitan_dmuon.engine.grad_norm import clip_grad_norm_
 from torchtitan_dmuon.engine.pipeline import attach_pipeline_stage
 from torchtitan_dmuon.engine.settings import DedicationSettings
+from torchtitan_dmuon.engine.verification import verify_plan
 
 __all__ = [
     "Dedication",

@@ -18,19 +18,24 @@ import dataclasses
 import logging
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from torchtitan_dmuon.engine import comm
+from torchtitan_dmuon.engine.comm import all_gather_rows, mesh_device
 from torchtitan_dmuon.engine.dedication import Dedication, get_dedication
+from torchtitan_dmuon.engine.layouts import (
+    check_orthogonal,
+    expert_domain_mesh,
+    tensor_parallel_mesh,
+    validate_meshes,
+)
 from torchtitan_dmuon.engine.plan import (
     BoundaryPredicate,
     build_plan,
     expert_parallel_coordinates,
-    expert_tensor_parallel_dim,
     is_expert_parallel,
 )
 from torchtitan_dmuon.engine.recovery import reset_fsdp_state
@@ -49,7 +54,6 @@ __all__ = [
     "get_full_param",
     "reset_iter_state",
     "set_requires_gradient_sync",
-    "verify_plan",
 ]
 
 logger = logging.getLogger(__name__)
@@ -95,7 +99,7 @@ def _read_entry(dedication: Dedication, unit, d) -> torch.Tensor:
     shard_group = dedication.domain_of(unit).shard_group
     comm.broadcast(value, unit.column, shard_group, dedication.stats, "read").wait()
     if d.split_dim is not None:  # tensor parallelism: the shards, side by side
-        value = torch.cat(dedication.gather_shards(value), dim=d.split_dim)
+        value = torch.cat(dedication.tensor_parallel.gather_shards(value), dim=d.split_dim)
     return value
 
 
@@ -127,264 +131,6 @@ def reset_iter_state(model: nn.Module) -> None:
         dedication.recover()
     else:
         reset_fsdp_state(model)
-
-
-def verify_plan(dedication: Dedication) -> None:
-    """Check that every data-parallel rank holds the same plan and sits where the
-    (replicate, shard) layout says: one small all-gather over the shard group, one over
-    the replicate group (HSDP), and under expert parallelism first one over the experts'
-    shard group and last one over the tensor-parallel group (if any). The same gathers
-    tell each rank the global rank of every owner slot (``Dedication.slot_ranks`` and
-    ``expert_owner_ranks``, which checkpoints of split stacks name).
-
-    All gathers run before anything is judged, and each later one carries the verdicts
-    of the earlier groups, so every rank of the data-parallel groups raises alike and a
-    mismatch cannot reach a later collective. Ranks outside them (other pipeline stages)
-    are not involved: a stage's plan is its own.
-    """
-    device = mesh_device(dedication.mesh)
-    fingerprint = dedication.plan.fingerprint(dedication.settings.reshard_after_forward)
-    coordinates = [fingerprint, dedication.replicate_rank]
-    error, expert_rank, ep_rank, etp_rank = None, 0, 0, 0
-    if len(dedication.domains) == 2:
-        experts = dedication.domains[1]
-        expert_rank, ep_rank, etp_rank = experts.rank, dedication.ep_rank, dedication.etp_rank
-        rows = _all_gather_rows(coordinates + [expert_rank], experts.shard_group, device)
-        error = _layout_error(rows, "efsdp")
-    mine = coordinates + [dedication.shard_rank, dist.get_rank(), error is None]
-    shard_table = _all_gather_rows(
-        mine + [expert_rank, ep_rank, etp_rank], dedication.shard_group, device
-    )
-    error = error or _layout_error([row[:3] for row in shard_table], "shard")
-    if error is None and not all(row[4] for row in shard_table):
-        error = RuntimeError(
-            "the ranks of another efsdp group disagree about the dedication plan or "
-            "layout (see the error on those ranks)"
-        )
-    # (global rank, experts' column, ep rank, etp rank) of this replica's columns, in order.
-    columns = [x for row in sorted(shard_table, key=lambda row: row[2]) for x in row[3:4] + row[5:]]
-    tables = [columns]
-    if dedication.replicas is not None:
-        rows = _all_gather_rows(
-            mine[:4] + [error is None] + columns, dedication.replicas.group, device
-        )
-        error = error or _layout_error([row[:3] for row in rows], "replicate")
-        if error is None and not all(row[4] for row in rows):
-            error = RuntimeError(
-                "the ranks of another replica's shard group disagree about the dedication "
-                "plan or layout (see the error on those ranks)"
-            )
-        tables = [row[5:] for row in sorted(rows, key=lambda row: row[1])]
-    ranks = [table[i : i + 4] for table in tables for i in range(0, len(table), 4)]
-    # (replica, global rank, experts' column, ep rank, etp rank) of each data-parallel rank.
-    entries = [(slot // dedication.shard_size, *row) for slot, row in enumerate(ranks)]
-    if len(dedication.domains) == 2 and dedication.tp_group is not None:
-        # The ep groups may span the tensor-parallel ranks (TorchTitan's ep borrows them):
-        # their owners too. Carrying the verdicts, since these groups cross shard groups.
-        flat = [error is None] + [x for entry in entries for x in entry]
-        rows = _all_gather_rows(flat, dedication.tp_group, device)
-        if error is None and not all(row[0] for row in rows):
-            error = RuntimeError(
-                "the ranks of another tensor-parallel position disagree about the "
-                "dedication plan or layout (see the error on those ranks)"
-            )
-        entries = [tuple(row[i : i + 5]) for row in rows for i in range(1, len(row), 5)]
-    if error is not None:
-        raise error
-    dedication.slot_ranks = [row[0] for row in ranks]
-    if len(dedication.domains) == 2:
-        per_replica = dedication.domains[1].size
-        dedication.expert_owner_ranks = {
-            (ep, replica * per_replica + column, etp): rank
-            for replica, rank, column, ep, etp in entries
-        }
-
-
-def mesh_device(mesh: DeviceMesh) -> torch.device:
-    """The device a mesh's collectives (and the Newton-Schulz of its owners) run on."""
-    if mesh.device_type == "cpu":
-        return torch.device("cpu")
-    return torch.device(mesh.device_type, torch.accelerator.current_device_index())
-
-
-def _all_gather_rows(row: list[int], group: dist.ProcessGroup, device) -> list[list[int]]:
-    mine = torch.tensor(row, dtype=torch.int64, device=device)
-    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(everyone, mine, group=group)
-    return [[int(x) for x in t.tolist()] for t in everyone]
-
-
-def _layout_error(table: list[list[int]], dim: str) -> Exception | None:
-    """What is wrong with the rows ``(fingerprint, replicate rank, shard rank)`` gathered
-    over one group, if anything."""
-    fingerprints = [row[0] for row in table]
-    if len(set(fingerprints)) != 1:
-        return RuntimeError(
-            "ranks disagree about the dedication plan (different model, predicate, "
-            f"hook boundaries or mesh per rank); plan fingerprints by {dim}-group rank: "
-            f"{fingerprints}"
-        )
-    own, other = (1, 2) if dim == "replicate" else (2, 1)
-    if len({row[own] for row in table}) != len(table) or len({row[other] for row in table}) != 1:
-        return ValueError(
-            "replicate_mesh does not line up with mesh: the (replicate, shard) "
-            f"coordinates of the {dim} group's ranks are {[(row[1], row[2]) for row in table]}"
-        )
-    return None
-
-
-def _check_orthogonal(mesh: DeviceMesh, tp_mesh: DeviceMesh | None) -> None:
-    """The data-parallel ``mesh`` and the tensor-parallel one share this rank only.
-
-    Raises:
-        ValueError: ``mesh`` holds other ranks of the TP mesh (the TP mesh was passed).
-    """
-    if tp_mesh is None:
-        return
-    shared = set(mesh.mesh.flatten().tolist()) & set(tp_mesh.mesh.flatten().tolist())
-    if len(shared) > 1:
-        raise ValueError(
-            f"mesh: ranks {sorted(shared)} of it are also the tensor-parallel mesh of the "
-            "selected DTensors; pass the data-parallel mesh (e.g. world_mesh['dp']): "
-            "dedicate_params finds the tensor-parallel mesh from the DTensors"
-        )
-
-
-def _tensor_parallel_mesh(selected: list[tuple[str, nn.Parameter]]) -> DeviceMesh | None:
-    """The one 1-D mesh the tensor-parallel (DTensor) matrices are sharded over, or None.
-
-    Each such matrix must be a 2-D DTensor split evenly along one of its dims (TorchTitan's
-    Colwise: rows, Rowwise: columns) over that mesh, or replicated over a 1-D mesh
-    (TorchTitan's NoParallel: dedicated whole).
-
-    Raises:
-        ValueError: a layout the engine cannot handle, naming the parameter.
-    """
-    meshes = []
-    for name, p in selected:
-        if is_expert_parallel(p):
-            if expert_tensor_parallel_dim(p) is not None:  # split over the TP ranks too
-                meshes.append((name, _etp_mesh(name, p)))
-            continue
-        if not isinstance(p, DTensor):
-            continue
-        placements, shape = p.placements, tuple(p.shape)
-        if p.ndim == 2 and p.device_mesh.ndim == 1 and isinstance(placements[0], Replicate):
-            continue  # whole on every TP rank (TorchTitan's NoParallel): no TP collective
-        ok = (
-            p.ndim == 2
-            and p.device_mesh.ndim == 1
-            and isinstance(placements[0], Shard)
-            and shape[placements[0].dim] % p.device_mesh.size() == 0
-        )
-        if not ok:
-            raise ValueError(
-                f"{name!r}: a tensor-parallel matrix must be a 2-D DTensor split evenly "
-                f"along one dim over a 1-D mesh; got shape {shape}, placements {placements} "
-                f"over a {p.device_mesh.ndim}-D mesh of {p.device_mesh.size()} ranks"
-            )
-        meshes.append((name, p.device_mesh))
-    if len({tuple(m.mesh.flatten().tolist()) for _, m in meshes}) > 1:
-        raise ValueError(
-            "the tensor-parallel matrices are sharded over different meshes: "
-            f"{[(name, m.mesh.tolist()) for name, m in meshes]}"
-        )
-    return meshes[0][1] if meshes else None
-
-
-def _etp_mesh(name: str, stack: DTensor) -> DeviceMesh:
-    """The mesh an expert stack's matrices are split over (a dim of its mesh)."""
-    mesh, etp = stack.device_mesh, expert_tensor_parallel_dim(stack)
-    split = stack.placements[etp].dim
-    if stack.shape[split] % mesh.size(etp) != 0 or (mesh.ndim > 1 and not mesh.mesh_dim_names):
-        raise ValueError(
-            f"{name!r}: an expert-tensor-parallel stack must be split evenly over a named "
-            f"mesh dim; got shape {tuple(stack.shape)} over mesh dims {mesh.mesh_dim_names}"
-        )
-    return mesh if mesh.ndim == 1 else mesh[mesh.mesh_dim_names[etp]]
-
-
-def _expert_domain_mesh(
-    selected: list[tuple[str, nn.Parameter]],
-    mesh: DeviceMesh,
-    expert_mesh: DeviceMesh | None,
-    tp_mesh: DeviceMesh | None,
-) -> DeviceMesh | None:
-    """The shard mesh of the experts' domain, once the stacks' layout is checked: the
-    ranks that hold the same experts (``expert_mesh``; ``mesh`` itself when the stacks
-    are split over the TP ranks only, every rank holding every expert), or None when no
-    expert stack is selected.
-
-    Raises:
-        ValueError: expert-parallel stacks without ``expert_mesh``, over different
-            meshes or unevenly, or an ``expert_mesh`` that does not make up the shard
-            mesh (times the tensor-parallel mesh, whose ranks ``ep`` may borrow)
-            together with the ``ep`` mesh.
-    """
-    stacks = [(name, p) for name, p in selected if is_expert_parallel(p)]
-    if not stacks:
-        return None
-    _, ep_size, _, etp_size = expert_parallel_coordinates(stacks[0][1])
-    if expert_mesh is None and ep_size == 1:
-        expert_mesh = mesh
-    if expert_mesh is None:
-        raise ValueError(
-            f"{stacks[0][0]!r} is sharded over an expert-parallel mesh: pass expert_mesh "
-            "(the mesh of the ranks that hold the same experts, TorchTitan's efsdp)"
-        )
-    ep_meshes = {tuple(p.device_mesh.mesh.flatten().tolist()) for _, p in stacks}
-    if len(ep_meshes) > 1:
-        raise ValueError(
-            f"the expert stacks are sharded over different meshes: {sorted(ep_meshes)}"
-        )
-    for name, p in stacks:
-        if p.shape[0] % ep_size != 0:
-            raise ValueError(
-                f"{name!r}: {p.shape[0]} experts do not split evenly over {ep_size} "
-                "expert-parallel ranks"
-            )
-    tp_size = tp_mesh.size() if tp_mesh is not None else 1
-    if expert_mesh.size() * ep_size * etp_size != mesh.size() * tp_size:
-        raise ValueError(
-            f"expert_mesh ({expert_mesh.size()} ranks) x the ep mesh ({ep_size} ranks) x "
-            f"the etp mesh ({etp_size} ranks) must make up mesh ({mesh.size()} ranks) x "
-            f"the tensor-parallel mesh ({tp_size} ranks)"
-        )
-    return expert_mesh
-
-
-def _validate_meshes(
-    mesh: DeviceMesh, replicate_mesh: DeviceMesh | None, expert_mesh: DeviceMesh | None
-) -> None:
-    if not dist.is_initialized():
-        raise RuntimeError("dedicate_params needs an initialized default process group")
-    for arg, m in (
-        ("mesh", mesh),
-        ("replicate_mesh", replicate_mesh),
-        ("expert_mesh", expert_mesh),
-    ):
-        if m is None:
-            continue
-        if not isinstance(m, DeviceMesh):
-            raise TypeError(f"{arg} must be a DeviceMesh, got {type(m).__name__}")
-        if m.ndim != 1:
-            raise ValueError(
-                f"{arg} must be 1-D, got a {m.ndim}-D mesh; for HSDP pass hsdp['shard'] as "
-                "mesh and hsdp['replicate'] as replicate_mesh"
-            )
-    # The meshes need not span the world: under pipeline parallelism they are the
-    # data-parallel ranks of one stage.
-    if replicate_mesh is None:
-        return
-    shard_ranks = set(mesh.mesh.flatten().tolist())
-    replicate_ranks = set(replicate_mesh.mesh.flatten().tolist())
-    if shard_ranks & replicate_ranks != {dist.get_rank()}:
-        raise ValueError(
-            "replicate_mesh does not line up with mesh: expected the shard group "
-            f"({sorted(shard_ranks)}) and the replicate group ({sorted(replicate_ranks)}) "
-            "to meet in this rank only; use hsdp['shard'] and hsdp['replicate'] of one "
-            "2-D mesh"
-        )
 
 
 @torch.no_grad()
@@ -438,7 +184,7 @@ def dedicate_params(
             all-gather over the given meshes' groups, so a rank-dependent predicate or
             layout raises the same error everywhere instead of hanging.
     """
-    _validate_meshes(mesh, replicate_mesh, expert_mesh)
+    validate_meshes(mesh, replicate_mesh, expert_mesh)
     if any(isinstance(m, FSDPModule) for m in model.modules()):
         raise RuntimeError(
             "dedicate_params must be called before fully_shard: the model already has "
@@ -456,9 +202,9 @@ def dedicate_params(
         selected = select_matrices(model, predicate)
         if not selected:
             raise ValueError("predicate selected no trainable 2-D or 3-D parameter")
-        tp_mesh = _tensor_parallel_mesh(selected)
-        _check_orthogonal(mesh, tp_mesh)
-        expert_mesh = _expert_domain_mesh(selected, mesh, expert_mesh, tp_mesh)
+        tp_mesh = tensor_parallel_mesh(selected)
+        check_orthogonal(mesh, tp_mesh)
+        expert_mesh = expert_domain_mesh(selected, mesh, expert_mesh, tp_mesh)
     except (ValueError, TypeError) as e:
         error = str(e)
     groups = (replicate_mesh is not None, tp_mesh is not None, expert_mesh is not None)
@@ -476,7 +222,7 @@ def dedicate_params(
         # Which experts' column each shard-group rank is (the two domains are balanced
         # together): the one collective of planning, after every check.
         device = mesh_device(mesh)
-        rows = _all_gather_rows([expert_mesh.get_local_rank()], mesh.get_group(), device)
+        rows = all_gather_rows([expert_mesh.get_local_rank()], mesh.get_group(), device)
         expert_columns = [row[0] for row in rows]
     plan = build_plan(
         model,

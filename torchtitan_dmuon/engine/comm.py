@@ -9,16 +9,25 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+if TYPE_CHECKING:
+    from torchtitan_dmuon.engine.unit import Unit
 
 __all__ = [
     "CollectiveCounter",
     "CommStats",
+    "PendingReduce",
+    "ShardGroups",
+    "all_gather_rows",
     "all_reduce_sum",
     "broadcast",
     "engine_group",
+    "mesh_device",
     "reduce_sum",
 ]
 
@@ -178,3 +187,60 @@ class CollectiveCounter:
 
     def snapshot(self) -> dict[str, dict[str, int]]:
         return {"bytes": dict(self.bytes), "calls": dict(self.calls)}
+
+
+class ShardGroups:
+    """The engine's groups over one domain's shard mesh: broadcasts (``shard_group``) and
+    stage-1 reduces (``reduce_group``, the same ranks).
+
+    Attributes:
+        rank / size: This rank's place in the shard mesh.
+        prefix: Put before the collective kinds in :class:`CommStats` ("" for the
+            dense domain, "expert_" for the experts').
+    """
+
+    def __init__(self, mesh: DeviceMesh, prefix: str) -> None:
+        self.rank = mesh.get_local_rank()
+        self.size = mesh.size()
+        self.prefix = prefix
+        self.shard_group = engine_group(mesh.get_group(), f"dmuon_{prefix}shard")
+        self.reduce_group = engine_group(mesh.get_group(), f"dmuon_{prefix}shard_reduce")
+
+    def kind(self, collective: str) -> str:
+        return self.prefix + collective
+
+
+@dataclass
+class PendingReduce:
+    """A unit's gradient bucket on its way to the primary owner.
+
+    Attributes:
+        unit: Whose gradients.
+        bucket: The packed gradients (and has-gradient flags), reduced in place.
+        to_column: Stage 1, inside the shard group.
+        to_primary: Stage 2 under HSDP, across replicas, once started (column ranks only).
+    """
+
+    unit: Unit
+    bucket: torch.Tensor
+    to_column: dist.Work
+    to_primary: dist.Work | None = None
+
+    def wait(self) -> None:
+        self.to_column.wait()
+        if self.to_primary is not None:
+            self.to_primary.wait()
+
+
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """The device a mesh's collectives (and the Newton-Schulz of its owners) run on."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type, torch.accelerator.current_device_index())
+
+
+def all_gather_rows(row: list[int], group: dist.ProcessGroup, device) -> list[list[int]]:
+    mine = torch.tensor(row, dtype=torch.int64, device=device)
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, mine, group=group)
+    return [[int(x) for x in t.tolist()] for t in everyone]

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import weakref
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -24,9 +23,10 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.profiler import record_function
 
 from torchtitan_dmuon.engine import comm, patches
+from torchtitan_dmuon.engine.comm import PendingReduce, ShardGroups
+from torchtitan_dmuon.engine.geometry import log_balance
 from torchtitan_dmuon.engine.hooks import HookDriver
 from torchtitan_dmuon.engine.others import OtherParams
-from torchtitan_dmuon.engine.partition import max_over_mean
 from torchtitan_dmuon.engine.plan import (
     DedicatedParam,
     Plan,
@@ -37,17 +37,12 @@ from torchtitan_dmuon.engine.plan import (
 from torchtitan_dmuon.engine.recovery import reset_fsdp_state
 from torchtitan_dmuon.engine.replicas import Replicas
 from torchtitan_dmuon.engine.settings import DedicationSettings
+from torchtitan_dmuon.engine.tensor_parallel import TensorParallelNS
 from torchtitan_dmuon.engine.unit import RefilledParam, Unit, refills
 from torchtitan_dmuon.optim.newton_schulz import matrix_count
-from torchtitan_dmuon.optim.sharded_ns import (
-    SHARDED_BACKENDS,
-    gathered_newton_schulz,
-    sharded_newton_schulz,
-    sharded_ns_bytes,
-    sharded_ns_method,
-)
+from torchtitan_dmuon.optim.sharded_ns import sharded_ns_method
 
-__all__ = ["Dedication", "PendingReduce", "ShardGroups", "get_dedication"]
+__all__ = ["Dedication", "get_dedication"]
 
 logger = logging.getLogger(__name__)
 
@@ -132,9 +127,10 @@ class Dedication:
         self.units: list[Unit] = [u for units in self.boundary_units for u in units]
         # Tensor parallelism: the owner column's TP ranks orthogonalize together.
         self.tp_group = None
+        self.tensor_parallel: TensorParallelNS | None = None
         if tp_mesh is not None:
             self.tp_group = comm.engine_group(tp_mesh.get_group(), "dmuon_tp")
-        self._ns_methods: dict[tuple, str] = {}
+            self.tensor_parallel = TensorParallelNS(self.tp_group, self.stats)
         self.others: OtherParams | None = None
         self.requires_gradient_sync = True
         self.reshard_after_backward = True
@@ -231,7 +227,7 @@ class Dedication:
             }
             for unit in units:
                 unit.refilled = {d.name: refilled[d.name] for d in unit.params if refills(d)}
-        self._log_balance()
+        log_balance(self)
         names = {d.name for d in self.plan.params}
         self.others = OtherParams(self.model, names, self.data_parallel_groups())
         self.others.broadcast_from_rank0(self.model)
@@ -419,38 +415,6 @@ class Dedication:
         if self.replicas is not None:
             self.replicas.wait_all()
 
-    def piece_shards(self, name: str) -> list[tuple[list[int], list[int], int]]:
-        """``(offsets, sizes, global rank of the primary owner)`` of every piece of the
-        split stack ``name`` in the whole stack: under expert parallelism the pieces of
-        every ``ep`` rank's local experts, and under expert tensor parallelism each
-        piece's shards (needs ``verify_plan``, which ``Muon`` runs)."""
-        if self.slot_ranks is None:
-            raise RuntimeError(
-                "the owners' global ranks are not known yet: build the Muon optimizer on "
-                "the model first (it verifies the plan across ranks)"
-            )
-        shards = []
-        for u in self.plan.units:
-            layout = self.plan.domains[u.domain]
-            slot = u.primary_replica * layout.shard_size + u.column
-            for d in u.params:
-                if d.name != name or d.experts is None:
-                    continue
-                start, stop = d.experts
-                sizes = [stop - start, *d.local_shape[1:]]
-                if u.domain == 0:
-                    shards.append(([start, 0, 0], sizes, self.slot_ranks[slot]))
-                    continue
-                split = d.split_dim  # the dim expert tensor parallelism splits, or None
-                for ep_rank in range(self.ep_size):
-                    for etp_rank in range(self.etp_size):
-                        offsets = [d.experts_of(ep_rank)[0], 0, 0]
-                        if split is not None:
-                            offsets[split] = etp_rank * sizes[split]
-                        owner = self.expert_owner_ranks[ep_rank, slot, etp_rank]
-                        shards.append((offsets, sizes, owner))
-        return sorted(shards)
-
     # ---- tensor parallelism -----------------------------------------------------------------
     def split_dim_of(self, param: nn.Parameter) -> int | None:
         """The dim a tensor-parallel dedicated matrix is split along, else None."""
@@ -460,58 +424,6 @@ class Dedication:
         """Whether each tensor-parallel rank owns other values of ``param``: a
         tensor-parallel shard, or expert-parallel experts (ep may borrow the TP ranks)."""
         return id(param) in self._per_tp_rank
-
-    def gather_shards(self, shard: torch.Tensor) -> list[torch.Tensor]:
-        """Every tensor-parallel rank's shard (same shapes), in rank order."""
-        size = dist.get_world_size(self.tp_group)
-        out = shard.new_empty((size * shard.shape[0], *shard.shape[1:]))
-        self.stats.record("tp_gather", out)
-        dist.all_gather_into_tensor(out, shard.contiguous(), group=self.tp_group)
-        return list(out.chunk(size))
-
-    def sharded_ns(
-        self, split_dim: int, ns, schedule, *, eps: float, dtype: torch.dtype, backend: str
-    ):
-        """Newton-Schulz of tensor-parallel shards split along ``split_dim``, run together
-        by the owner column's TP ranks: the Gram path (one all-reduce of the unsplit dim's
-        Gram per phase) unless gathering the matrix moves fewer bytes or ``backend`` has
-        no sharded form (then ``ns`` on the gathered matrix). Logged once per shape."""
-        size = dist.get_world_size(self.tp_group)
-        rank = dist.get_rank(self.tp_group)
-
-        def all_reduce(t: torch.Tensor) -> None:
-            self.stats.record("tp_all_reduce", t)
-            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.tp_group)
-
-        def orthogonalize(shards: torch.Tensor) -> torch.Tensor:
-            full = list(shards.shape)
-            full[split_dim] *= size
-            method = sharded_ns_method(
-                full, split_dim, dtype.itemsize, schedule.steps, backend=backend
-            )
-            key = (tuple(full[-2:]), split_dim)
-            if key not in self._ns_methods:
-                self._ns_methods[key] = method
-                bytes_per_matrix = sharded_ns_bytes(
-                    full[-2:], split_dim, dtype.itemsize, schedule.steps
-                )
-                why = (
-                    f"ns_backend={backend!r} has no sharded form"
-                    if backend not in SHARDED_BACKENDS
-                    else "by bytes"
-                )
-                logger.info(
-                    "dmuon: tensor-parallel Newton-Schulz of %s split along dim %d over %d "
-                    "ranks: %s (%s; bytes per matrix: %s)",
-                    key[0], split_dim, size, method, why, bytes_per_matrix,
-                )  # fmt: skip
-            if method == "gram":
-                return sharded_newton_schulz(
-                    shards, split_dim, all_reduce, schedule, eps=eps, dtype=dtype
-                )
-            return gathered_newton_schulz(shards, split_dim, rank, self.gather_shards, ns)
-
-        return orthogonalize
 
     def ns_workload(
         self, backend: str, dtype: torch.dtype, steps: int
@@ -550,29 +462,6 @@ class Dedication:
         state_bytes = unit.master_dtype.itemsize * (2 if mixed else 1)
         return self.plan.held_bytes(compute_dtype.itemsize, state_bytes)
 
-    def _log_balance(self) -> None:
-        held = self.held_bytes()
-        logger.info(
-            "dmuon: per-rank Newton-Schulz cost max/mean %.3f, held dedicated bytes "
-            "(values + masters + momentum) max/mean %.3f (max %.1f MiB), %d stacks split "
-            "into %d pieces",
-            self.balance(),
-            max_over_mean(held),
-            max(held) / 2**20,
-            len({d.name for d in self.plan.params if d.experts is not None}),
-            sum(1 for d in self.plan.params if d.experts is not None),
-        )
-        if len(self.plan.domains) == 2:
-            layout = self.plan.domains[1]
-            logger.info(
-                "dmuon: expert parallelism: local experts dedicated over %d x %d ranks "
-                "(replicate x efsdp), dense matrices over %d x %d; per-rank Newton-Schulz "
-                "cost max/mean: experts %.3f, dense %.3f, together %.3f",
-                layout.replicate_size, layout.shard_size,
-                self.plan.replicate_size, self.plan.shard_size,
-                self.balance(1), self.balance(0), self.balance(),
-            )  # fmt: skip
-
     def memory_bytes(self) -> dict[str, int]:
         """What this rank keeps between steps for dedicated matrices: ``params`` (values
         of the units it holds, compute dtype), ``masters`` (full-precision copies, primary
@@ -600,49 +489,6 @@ class Dedication:
             patches.unmark_dedicated(module)
         for group in self.process_groups():
             dist.destroy_process_group(group)
-
-
-class ShardGroups:
-    """The engine's groups over one domain's shard mesh: broadcasts (``shard_group``) and
-    stage-1 reduces (``reduce_group``, the same ranks).
-
-    Attributes:
-        rank / size: This rank's place in the shard mesh.
-        prefix: Put before the collective kinds in :class:`~comm.CommStats` ("" for the
-            dense domain, "expert_" for the experts').
-    """
-
-    def __init__(self, mesh: DeviceMesh, prefix: str) -> None:
-        self.rank = mesh.get_local_rank()
-        self.size = mesh.size()
-        self.prefix = prefix
-        self.shard_group = comm.engine_group(mesh.get_group(), f"dmuon_{prefix}shard")
-        self.reduce_group = comm.engine_group(mesh.get_group(), f"dmuon_{prefix}shard_reduce")
-
-    def kind(self, collective: str) -> str:
-        return self.prefix + collective
-
-
-@dataclass
-class PendingReduce:
-    """A unit's gradient bucket on its way to the primary owner.
-
-    Attributes:
-        unit: Whose gradients.
-        bucket: The packed gradients (and has-gradient flags), reduced in place.
-        to_column: Stage 1, inside the shard group.
-        to_primary: Stage 2 under HSDP, across replicas, once started (column ranks only).
-    """
-
-    unit: Unit
-    bucket: torch.Tensor
-    to_column: dist.Work
-    to_primary: dist.Work | None = None
-
-    def wait(self) -> None:
-        self.to_column.wait()
-        if self.to_primary is not None:
-            self.to_primary.wait()
 
 
 def _mixed_precision_of(model: nn.Module, boundary_name: str) -> tuple:

@@ -18,15 +18,26 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from torchtitan_dmuon.engine.comm import all_gather_rows, mesh_device
 from torchtitan_dmuon.engine.plan import is_expert_parallel
 
-__all__ = ["Intent", "agree_on_intent", "model_tensor_parallel_mesh"]
+if TYPE_CHECKING:
+    from torchtitan_dmuon.engine.dedication import Dedication
+
+__all__ = [
+    "Intent",
+    "agree_on_intent",
+    "model_tensor_parallel_mesh",
+    "selection_hash",
+    "verify_plan",
+]
 
 
 @dataclass(frozen=True)
@@ -95,6 +106,8 @@ def agree_on_intent(
 def _verdict(intents: dict[int, Intent]) -> str | None:
     ranks = sorted(intents)
     failed = [rank for rank in ranks if intents[rank].error is not None]
+    if failed == ranks and len({intents[rank].error for rank in ranks}) == 1:
+        return intents[ranks[0]].error  # the same on every rank: as it was raised
     if failed:
         return (
             f"dedicate_params failed on rank(s) {failed}; rank {failed[0]}: "
@@ -116,4 +129,94 @@ def _verdict(intents: dict[int, Intent]) -> str | None:
                     f"ranks {ranks[0]} and {rank} disagree about the dedication's {what}: "
                     f"{getattr(first, field)} and {getattr(other, field)}"
                 )
+    return None
+
+
+def verify_plan(dedication: Dedication) -> None:
+    """Check that every data-parallel rank holds the same plan and sits where the
+    (replicate, shard) layout says: one small all-gather over the shard group, one over
+    the replicate group (HSDP), and under expert parallelism first one over the experts'
+    shard group and last one over the tensor-parallel group (if any). The same gathers
+    tell each rank the global rank of every owner slot (``Dedication.slot_ranks`` and
+    ``expert_owner_ranks``, which checkpoints of split stacks name).
+
+    All gathers run before anything is judged, and each later one carries the verdicts
+    of the earlier groups, so every rank of the data-parallel groups raises alike and a
+    mismatch cannot reach a later collective. Ranks outside them (other pipeline stages)
+    are not involved: a stage's plan is its own.
+    """
+    device = mesh_device(dedication.mesh)
+    fingerprint = dedication.plan.fingerprint(dedication.settings.reshard_after_forward)
+    coordinates = [fingerprint, dedication.replicate_rank]
+    error, expert_rank, ep_rank, etp_rank = None, 0, 0, 0
+    if len(dedication.domains) == 2:
+        experts = dedication.domains[1]
+        expert_rank, ep_rank, etp_rank = experts.rank, dedication.ep_rank, dedication.etp_rank
+        rows = all_gather_rows(coordinates + [expert_rank], experts.shard_group, device)
+        error = _layout_error(rows, "efsdp")
+    mine = coordinates + [dedication.shard_rank, dist.get_rank(), error is None]
+    shard_table = all_gather_rows(
+        mine + [expert_rank, ep_rank, etp_rank], dedication.shard_group, device
+    )
+    error = error or _layout_error([row[:3] for row in shard_table], "shard")
+    if error is None and not all(row[4] for row in shard_table):
+        error = RuntimeError(
+            "the ranks of another efsdp group disagree about the dedication plan or "
+            "layout (see the error on those ranks)"
+        )
+    # (global rank, experts' column, ep rank, etp rank) of this replica's columns, in order.
+    columns = [x for row in sorted(shard_table, key=lambda row: row[2]) for x in row[3:4] + row[5:]]
+    tables = [columns]
+    if dedication.replicas is not None:
+        rows = all_gather_rows(
+            mine[:4] + [error is None] + columns, dedication.replicas.group, device
+        )
+        error = error or _layout_error([row[:3] for row in rows], "replicate")
+        if error is None and not all(row[4] for row in rows):
+            error = RuntimeError(
+                "the ranks of another replica's shard group disagree about the dedication "
+                "plan or layout (see the error on those ranks)"
+            )
+        tables = [row[5:] for row in sorted(rows, key=lambda row: row[1])]
+    ranks = [table[i : i + 4] for table in tables for i in range(0, len(table), 4)]
+    # (replica, global rank, experts' column, ep rank, etp rank) of each data-parallel rank.
+    entries = [(slot // dedication.shard_size, *row) for slot, row in enumerate(ranks)]
+    if len(dedication.domains) == 2 and dedication.tp_group is not None:
+        # The ep groups may span the tensor-parallel ranks (TorchTitan's ep borrows them):
+        # their owners too. Carrying the verdicts, since these groups cross shard groups.
+        flat = [error is None] + [x for entry in entries for x in entry]
+        rows = all_gather_rows(flat, dedication.tp_group, device)
+        if error is None and not all(row[0] for row in rows):
+            error = RuntimeError(
+                "the ranks of another tensor-parallel position disagree about the "
+                "dedication plan or layout (see the error on those ranks)"
+            )
+        entries = [tuple(row[i : i + 5]) for row in rows for i in range(1, len(row), 5)]
+    if error is not None:
+        raise error
+    dedication.slot_ranks = [row[0] for row in ranks]
+    if len(dedication.domains) == 2:
+        per_replica = dedication.domains[1].size
+        dedication.expert_owner_ranks = {
+            (ep, replica * per_replica + column, etp): rank
+            for replica, rank, column, ep, etp in entries
+        }
+
+
+def _layout_error(table: list[list[int]], dim: str) -> Exception | None:
+    """What is wrong with the rows ``(fingerprint, replicate rank, shard rank)`` gathered
+    over one group, if anything."""
+    fingerprints = [row[0] for row in table]
+    if len(set(fingerprints)) != 1:
+        return RuntimeError(
+            "ranks disagree about the dedication plan (different model, predicate, "
+            f"hook boundaries or mesh per rank); plan fingerprints by {dim}-group rank: "
+            f"{fingerprints}"
+        )
+    own, other = (1, 2) if dim == "replicate" else (2, 1)
+    if len({row[own] for row in table}) != len(table) or len({row[other] for row in table}) != 1:
+        return ValueError(
+            "replicate_mesh does not line up with mesh: the (replicate, shard) "
+            f"coordinates of the {dim} group's ranks are {[(row[1], row[2]) for row in table]}"
+        )
     return None

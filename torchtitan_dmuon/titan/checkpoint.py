@@ -40,6 +40,7 @@ from torchtitan.components.checkpoint import ModelWrapper
 from torchtitan.components.lr_scheduler import LRSchedulersContainer
 
 from torchtitan_dmuon.engine import Dedication, get_dedication
+from torchtitan_dmuon.engine.geometry import piece_shards
 from torchtitan_dmuon.engine.plan import DedicatedParam
 from torchtitan_dmuon.titan.parallelize import clean_fqn
 
@@ -78,7 +79,7 @@ def as_saved(dedication: Dedication, entry: DedicatedParam, local: torch.Tensor)
     if entry.experts is not None:
         shards = [
             ShardMetadata(offsets, sizes, placement=f"rank:{rank}/{local.device}")
-            for offsets, sizes, rank in dedication.piece_shards(entry.name)
+            for offsets, sizes, rank in piece_shards(dedication, entry.name)
         ]
         # A rank owns at most one piece (or piece's shard) of each stack.
         mine = next(md for md in shards if md.placement.rank() == dist.get_rank())
