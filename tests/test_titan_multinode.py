@@ -40,16 +40,20 @@ def _free_port() -> int:
 
 
 def _wait(procs: list[subprocess.Popen], logs: list[Path], dumps: list[Path]) -> list:
-    runs = []
-    for proc, log, dump in zip(procs, logs, dumps, strict=True):
-        try:
+    """Every launch to its end (all of them killed if one times out or the wait fails: a
+    node that finished first must not end the others, which may still be exiting)."""
+    try:
+        for proc in procs:
             proc.wait(timeout=900)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-        runs.append(finished_run(proc.returncode, log.read_text(), dump))
-    return runs
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return [
+        finished_run(proc.returncode, log.read_text(), dump)
+        for proc, log, dump in zip(procs, logs, dumps, strict=True)
+    ]
 
 
 def _two_static_nodes(tmp_path: Path) -> list:
