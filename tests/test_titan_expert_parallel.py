@@ -17,10 +17,10 @@ from tests.test_titan_integration import run_train, shared_run
 from tests.test_titan_pipeline import from_seed, resume_from
 
 LLAMA4 = "train_configs/llama4_debug_moe.toml"
-# Layouts are compared over 10 steps (the resumed runs from the step-5 checkpoint).
-STEPS = range(1, 11)
-SAVED_AT = 5
-AFTER_SAVE = range(6, 11)
+# Layouts are compared over 6 steps (the resumed runs from the step-3 checkpoint).
+STEPS = range(1, 7)
+SAVED_AT = 3
+AFTER_SAVE = range(4, 7)
 DEEPSEEK = "train_configs/deepseek_v3_debug_moe.toml"
 HSDP_2X2 = [
     "--parallelism.data_parallel_replicate_degree", "2",
@@ -54,12 +54,12 @@ def _losses(run, steps) -> list[float]:
 
 def test_llama4_expert_parallel_follows_ep1(tmp_path_factory):
     """llama4 debug MoE: EP 2 (efsdp 2) and HSDP 2 x 2 with EP 2 (efsdp 1, the replicate
-    group as the experts' second stage) follow EP 1 within rtol 1e-4 over 10 steps;
+    group as the experts' second stage) follow EP 1 within rtol 1e-4 over 6 steps;
     the two dedication domains are balanced together."""
     ep1, ep2, hsdp = _ep_runs(tmp_path_factory, LLAMA4, ep(1), ep(2), ep(2, *HSDP_2X2))
     for run in (ep2, hsdp):
         assert _losses(run, STEPS) == pytest.approx(_losses(ep1, STEPS), rel=1e-4)
-    assert ep1.losses[10] < ep1.losses[1] - 0.3
+    assert ep1.losses[6] < ep1.losses[1] - 0.2
     assert "local experts dedicated over 1 x 2 ranks (replicate x efsdp)" in ep2.output
     assert "local experts dedicated over 2 x 1 ranks (replicate x efsdp)" in hsdp.output
     assert "expert parallelism" not in ep1.output
@@ -80,7 +80,7 @@ def _fsdp2_and_tensor_parallel(factory: pytest.TempPathFactory):
 
 
 def test_llama4_expert_parallel_with_tensor_parallel(tmp_path_factory):
-    """FSDP 2 x TP 2 follows FSDP 2 (EP 1) over 10 steps, with EP 1 (each expert's
+    """FSDP 2 x TP 2 follows FSDP 2 (EP 1) over 6 steps, with EP 1 (each expert's
     matrices split over the TP ranks, every rank holding every expert: pieces dedicated
     over the FSDP ranks, each in TP shards that the owner column's TP ranks orthogonalize
     together) within rtol 1e-4, and with EP 2: expert tensor parallelism 1 (the ep mesh
@@ -135,7 +135,7 @@ def test_deepseek_v3_expert_parallel_follows_ep1(tmp_path_factory):
     shared) through its own train spec: the matrices the config names are dedicated (6
     layers x 4 attention projections, one dense FFN, 5 MoE layers x 3 shared-expert
     matrices and 3 stacks of 8 routed experts). On 2 ranks, EP 2 under Z2 follows EP 1
-    under Z3 within rtol 1e-4 over 10 steps; FSDP 2 x TP 2 with EP 2 and expert tensor
+    under Z3 within rtol 1e-4 over 6 steps; FSDP 2 x TP 2 with EP 2 and expert tensor
     parallelism 2 (4 ranks; TorchTitan replicates wkv_a over the TP ranks, which the
     engine dedicates whole) within 5e-4 (TP rounding, as for llama4; 2e-4 at step 6 in a
     manual run)."""
@@ -149,7 +149,7 @@ def test_deepseek_v3_expert_parallel_follows_ep1(tmp_path_factory):
     (tensor_parallel,) = _ep_runs(tmp_path_factory, DEEPSEEK, ep(2, *ETP2))
     assert _losses(ep2, STEPS) == pytest.approx(_losses(ep1, STEPS), rel=1e-4)
     assert _losses(tensor_parallel, STEPS) == pytest.approx(_losses(ep1, STEPS), rel=5e-4)
-    assert ep1.losses[10] < ep1.losses[1] - 0.2
+    assert ep1.losses[6] < ep1.losses[1] - 0.2
     for run in (ep1, ep2, tensor_parallel):
         assert "dedicate_params: 57 parameters (162 matrices)" in run.output
     assert re.search(r"dedicate_params: .* Z3", ep1.output)
