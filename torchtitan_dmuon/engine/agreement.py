@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from torchtitan_dmuon.engine.comm import gather_over_groups
 from torchtitan_dmuon.engine.dedication import Dedication
 from torchtitan_dmuon.optim.newton_schulz import NSSchedule
 from torchtitan_dmuon.optim.ns_backends import (
@@ -47,17 +48,8 @@ def gather_over(dedication: Dedication | None, obj) -> list:
     one). A collective over the dedication's groups: every rank of it calls it."""
     if dedication is None:
         return [obj]
-    known = {dist.get_rank(): obj}
-    groups = [dedication.shard_group, dedication.tp_group]
-    if dedication.replicas is not None:
-        groups.insert(1, dedication.replicas.group)
-    for group in groups:
-        if group is None or dist.get_world_size(group) == 1:
-            continue
-        rows = [None] * dist.get_world_size(group)
-        dist.all_gather_object(rows, known, group=group)
-        for row in rows:
-            known.update(row)
+    replicate = dedication.replicas.group if dedication.replicas is not None else None
+    known = gather_over_groups([dedication.shard_group, replicate, dedication.tp_group], obj)
     return [known[rank] for rank in sorted(known)]
 
 

@@ -27,6 +27,7 @@ __all__ = [
     "all_reduce_sum",
     "broadcast",
     "engine_group",
+    "gather_over_groups",
     "mesh_device",
     "reduce_sum",
 ]
@@ -244,3 +245,19 @@ def all_gather_rows(row: list[int], group: dist.ProcessGroup, device) -> list[li
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, mine, group=group)
     return [[int(x) for x in t.tolist()] for t in everyone]
+
+
+def gather_over_groups(groups: list[dist.ProcessGroup | None], obj) -> dict[int, object]:
+    """``{global rank: obj}`` of every rank the chained ``groups`` reach: one
+    ``all_gather_object`` per group (None and 1-rank groups skipped), each carrying what
+    the earlier ones gathered. A collective: every rank of those groups calls it with the
+    same chain."""
+    known = {dist.get_rank(): obj}
+    for group in groups:
+        if group is None or dist.get_world_size(group) == 1:
+            continue
+        rows = [None] * dist.get_world_size(group)
+        dist.all_gather_object(rows, known, group=group)
+        for row in rows:
+            known.update(row)
+    return known

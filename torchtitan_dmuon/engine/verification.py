@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from torchtitan_dmuon.engine.comm import all_gather_rows, mesh_device
+from torchtitan_dmuon.engine.comm import all_gather_rows, gather_over_groups, mesh_device
 from torchtitan_dmuon.engine.plan import is_expert_parallel
 
 if TYPE_CHECKING:
@@ -90,14 +90,8 @@ def agree_on_intent(
         ValueError: A rank's own check failed (its message, naming the rank), or the ranks
             selected different matrices, settings or engine groups.
     """
-    known = {dist.get_rank(): intent}
-    for m in (mesh, replicate_mesh, tp_mesh):
-        if m is None or m.size() == 1:
-            continue
-        rows = [None] * m.size()
-        dist.all_gather_object(rows, known, group=m.get_group())
-        for row in rows:
-            known.update(row)
+    meshes = (mesh, replicate_mesh, tp_mesh)
+    known = gather_over_groups([m.get_group() if m is not None else None for m in meshes], intent)
     error = _verdict(known)
     if error is not None:
         raise ValueError(error)
