@@ -31,7 +31,9 @@ from torch import nn
 from torchtitan.protocols.train_spec import get_train_spec
 
 from torchtitan_dmuon.engine.partition import PartitionItem, assign_owners
-from torchtitan_dmuon.engine.plan import Plan, build_plan, default_boundary_modules
+from torchtitan_dmuon.engine.plan import Plan
+from torchtitan_dmuon.engine.planner import build_plan
+from torchtitan_dmuon.engine.selection import default_boundary_modules
 from torchtitan_dmuon.optim.newton_schulz import ns_flops
 
 MODELS = [
@@ -85,7 +87,7 @@ def ratio(loads: list[int]) -> float:
 def per_expert_loads(plan: Plan, value_bytes: int, state_bytes: int):
     ns = [0] * plan.slots
     for unit in plan.units:
-        ns[unit.column] += sum(ns_flops(d.shape, 1) for d in unit.params)
+        ns[unit.column] += sum(ns_flops(d.layout.shape, 1) for d in unit.params)
     return ns, plan.held_bytes(value_bytes, state_bytes)
 
 

@@ -34,7 +34,7 @@ def _momentum_state(dedication, opt) -> dict:
     """Each owned piece's momentum as the checkpoint holds it, with the local tensor."""
     out = {}
     for entry, master in dedication.primary_params():
-        if entry.experts is None:
+        if not entry.layout.is_piece:
             continue
         state = opt.state[entry.param]
         state.setdefault("momentum_buffer", torch.zeros_like(master))
@@ -44,9 +44,9 @@ def _momentum_state(dedication, opt) -> dict:
 
 def _pieces(dedication, opt) -> dict:
     return {
-        (entry.name, entry.experts): opt.state[entry.param]["momentum_buffer"].clone()
+        (entry.name, entry.layout.experts): opt.state[entry.param]["momentum_buffer"].clone()
         for entry, _ in dedication.primary_params()
-        if entry.experts is not None
+        if entry.layout.is_piece
     }
 
 

@@ -10,7 +10,7 @@ from torchtitan_dmuon.engine.partition import (
     expert_ranges,
     load_balance,
 )
-from torchtitan_dmuon.engine.plan import build_plan
+from torchtitan_dmuon.engine.planner import build_plan
 from torchtitan_dmuon.optim.newton_schulz import ns_flops
 
 
@@ -104,7 +104,7 @@ def test_split_stacks_balance_ns_cost_and_held_bytes():
     for boundary in plan.boundaries:
         for stack in ("w1", "w2", "w3"):
             pieces = [
-                (u.column, d.experts) for u in boundary.units for d in u.params
+                (u.column, d.layout.experts) for u in boundary.units for d in u.params
                 if d.name.endswith(stack)
             ]  # fmt: skip
             assert sorted(c for c, _ in pieces) == [0, 1, 2, 3]

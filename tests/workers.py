@@ -152,7 +152,7 @@ def train_dmuon(
         expert_mesh=expert_mesh,
     )
     if skewed_prefetch:
-        dedication.replicas_landed = lambda boundary: rank % 2 == 1
+        dedication.exchange.replicas_landed = lambda units: rank % 2 == 1
     if fsdp:
         fsdp_kwargs = {"mesh": fsdp_mesh}
         if mp_policy is not None:
@@ -223,8 +223,8 @@ def train_dmuon(
         # A piece of a split stack as "name[start:stop]" (experts of the whole stack).
         "owned": sorted(
             d.name
-            if d.experts is None
-            else f"{d.name}[{d.global_experts[0]}:{d.global_experts[1]}]"
+            if not d.layout.is_piece
+            else f"{d.name}[{d.layout.global_experts[0]}:{d.layout.global_experts[1]}]"
             for u in dedication.units
             if u.primary
             for d in u.params

@@ -31,6 +31,7 @@ from torchtitan_dmuon.engine.agreement import (
     job_ns_dtype,
 )
 from torchtitan_dmuon.engine.comm import mesh_device
+from torchtitan_dmuon.engine.geometry import ns_workload
 from torchtitan_dmuon.engine.selection import select_matrices
 from torchtitan_dmuon.optim.muon import ADJUST_LR_FNS, apply_muon_update, muon_update
 from torchtitan_dmuon.optim.newton_schulz import EPS, matrix_count, resolve_ns_schedule
@@ -149,7 +150,9 @@ class Muon(torch.optim.Optimizer):
         else:
             selected = select_matrices(model, predicate or (lambda n, p: p.ndim == 2))
             muon_params = [p for _, p in selected]
-        if replicate_async and (self.dedication is None or self.dedication.replicas is None):
+        if replicate_async and (
+            self.dedication is None or self.dedication.exchange.replicas is None
+        ):
             raise ValueError(
                 "replicate_async=True needs dedicate_params(..., replicate_mesh=...) (HSDP)"
             )
@@ -212,7 +215,7 @@ class Muon(torch.optim.Optimizer):
 
     def _choose_ns_backends(self, schedule, muon_params: list[nn.Parameter]) -> NSBackendReport:
         if self.dedication is not None:
-            workload = self.dedication.ns_workload("auto", self.ns_dtype, schedule.steps)
+            workload = ns_workload(self.dedication, "auto", self.ns_dtype, schedule.steps)
         else:
             workload = {}
             for p in muon_params:
@@ -336,7 +339,8 @@ class Muon(torch.optim.Optimizer):
         # Newton-Schulz together, and the learning rate follows the whole matrix.
         by_split: dict[int | None, list[int]] = {}
         for i, (key, _, _) in enumerate(targets):
-            split = self.dedication.split_dim_of(key) if self.dedication is not None else None
+            layout = self.dedication.layout_of(key) if self.dedication is not None else None
+            split = layout.split_dim if layout is not None else None
             by_split.setdefault(split, []).append(i)
         pending = []
         for split, indices in by_split.items():
@@ -352,7 +356,7 @@ class Muon(torch.optim.Optimizer):
             shapes, group_ns = None, ns
             if split is not None:
                 shapes = [key.shape for key in keys]
-                group_ns = self.dedication.tensor_parallel.sharded_ns(
+                group_ns = self.dedication.exchange.tensor_parallel.sharded_ns(
                     split, ns, schedule, eps=self.eps, dtype=self.ns_dtype, backend=self.ns_backend
                 )
             update = muon_update(

@@ -48,8 +48,10 @@ def gather_over(dedication: Dedication | None, obj) -> list:
     one). A collective over the dedication's groups: every rank of it calls it."""
     if dedication is None:
         return [obj]
-    replicate = dedication.replicas.group if dedication.replicas is not None else None
-    known = gather_over_groups([dedication.shard_group, replicate, dedication.tp_group], obj)
+    exchange = dedication.exchange
+    known = gather_over_groups(
+        [exchange.shard_group, exchange.replicate_group, exchange.tp_group], obj
+    )
     return [known[rank] for rank in sorted(known)]
 
 
@@ -60,7 +62,7 @@ def failed_ranks(dedication: Dedication, failed: bool, device: torch.device) -> 
     every rank of the dedication calls it."""
     flags = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=device)
     flags[dist.get_rank()] = int(failed)
-    groups = dedication.data_parallel_groups() + [dedication.tp_group]
+    groups = dedication.exchange.data_parallel_groups() + [dedication.exchange.tp_group]
     for group in groups:
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)

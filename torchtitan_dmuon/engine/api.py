@@ -26,20 +26,15 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torchtitan_dmuon.engine import comm
 from torchtitan_dmuon.engine.comm import all_gather_rows, mesh_device
 from torchtitan_dmuon.engine.dedication import Dedication, get_dedication
+from torchtitan_dmuon.engine.fsdp_state import reset_fsdp_state
 from torchtitan_dmuon.engine.layouts import (
     check_orthogonal,
     expert_domain_mesh,
     tensor_parallel_mesh,
     validate_meshes,
 )
-from torchtitan_dmuon.engine.plan import (
-    BoundaryPredicate,
-    build_plan,
-    expert_parallel_coordinates,
-    is_expert_parallel,
-)
-from torchtitan_dmuon.engine.recovery import reset_fsdp_state
-from torchtitan_dmuon.engine.selection import Predicate, select_matrices
+from torchtitan_dmuon.engine.planner import build_plan
+from torchtitan_dmuon.engine.selection import BoundaryPredicate, Predicate, select_matrices
 from torchtitan_dmuon.engine.settings import DedicationSettings
 from torchtitan_dmuon.engine.verification import (
     Intent,
@@ -47,7 +42,6 @@ from torchtitan_dmuon.engine.verification import (
     model_tensor_parallel_mesh,
     selection_hash,
 )
-from torchtitan_dmuon.optim.newton_schulz import matrix_count
 
 __all__ = [
     "dedicate_params",
@@ -68,7 +62,7 @@ def get_full_param(model: nn.Module, name: str) -> torch.Tensor:
     if dedication is None:
         raise ValueError("model was not prepared by dedicate_params")
     found = [(u, d) for u in dedication.units for d in u.params if d.name == name]
-    found.sort(key=lambda entry: entry[1].experts or (0, 0))  # a split stack's pieces
+    found.sort(key=lambda entry: entry[1].layout.experts or (0, 0))  # a split stack's pieces
     if not found:
         raise KeyError(f"{name!r} is not a dedicated parameter")
     if not dedication.initialized:
@@ -77,8 +71,8 @@ def get_full_param(model: nn.Module, name: str) -> torch.Tensor:
     # on every rank, so the broadcasts match).
     pieces = [_read_entry(dedication, unit, d) for unit, d in found]
     value = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-    param = found[0][1].param
-    if is_expert_parallel(param) and expert_parallel_coordinates(param)[1] > 1:
+    param, layout = found[0][1].param, found[0][1].layout
+    if layout.ep_size > 1:
         # Every ep rank's local experts, in order.
         placements = [Shard(0)] + [Replicate()] * (param.device_mesh.ndim - 1)
         value = DTensor.from_local(value, param.device_mesh, placements, run_check=False)
@@ -91,15 +85,17 @@ def _read_entry(dedication: Dedication, unit, d) -> torch.Tensor:
     if unit.primary:
         value = unit.master_view(d).clone()
     else:
-        value = torch.empty(d.local_shape, dtype=unit.master_dtype, device=unit.device)
-    replicas = dedication.replicas
-    if replicas is not None and unit.holds:
-        replicas.wait(unit)
-        comm.broadcast(value, unit.primary_replica, replicas.group, dedication.stats, "read").wait()
-    shard_group = dedication.domain_of(unit).shard_group
+        value = torch.empty(d.layout.local_shape, dtype=unit.master_dtype, device=unit.device)
+    exchange = dedication.exchange
+    if exchange.replicas is not None and unit.holds:
+        exchange.replicas.wait(unit)
+        group = exchange.replicas.group
+        comm.broadcast(value, unit.primary_replica, group, dedication.stats, "read").wait()
+    shard_group = exchange.domain_of(unit).shard_group
     comm.broadcast(value, unit.column, shard_group, dedication.stats, "read").wait()
-    if d.split_dim is not None:  # tensor parallelism: the shards, side by side
-        value = torch.cat(dedication.tensor_parallel.gather_shards(value), dim=d.split_dim)
+    split = d.layout.split_dim
+    if split is not None:  # tensor parallelism: the shards, side by side
+        value = torch.cat(exchange.tensor_parallel.gather_shards(value), dim=split)
     return value
 
 
@@ -239,11 +235,7 @@ def dedicate_params(
         "%d x %d ranks, NS balance %.3f, %s",
         len(dedication.params),
         # Every ep rank's experts, as without expert parallelism.
-        sum(
-            matrix_count(d.shape)
-            * (expert_parallel_coordinates(d.param)[1] if is_expert_parallel(d.param) else 1)
-            for d in plan.params
-        ),
+        sum(d.layout.matrices for d in plan.params),
         len(plan.boundaries),
         len(plan.units),
         plan.replicate_size,

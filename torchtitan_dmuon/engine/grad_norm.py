@@ -59,7 +59,7 @@ def clip_grad_norm_(
     owned, owned_per_tp_rank = [], []
     for d in dedications:
         for param, _, grad in d.owned_grads():
-            (owned_per_tp_rank if d.differs_per_tp_rank(param) else owned).append(grad)
+            (owned_per_tp_rank if d.layout_of(param).differs_per_tp_rank else owned).append(grad)
     sharded, replicated = [], []
     for p in (p for part in parts for p in part.parameters()):
         if p.grad is None:
@@ -82,10 +82,12 @@ def clip_grad_norm_(
         owned_sq = torch.stack(
             [_sum_of_squares(owned, device), _sum_of_squares(owned_per_tp_rank, device)]
         )
-        for group in dedications[0].data_parallel_groups():
+        for group in dedications[0].exchange.data_parallel_groups():
             dist.all_reduce(owned_sq, op=dist.ReduceOp.SUM, group=group)
-        if dedications[0].tp_group is not None:  # the per-TP-rank part, in place
-            dist.all_reduce(owned_sq[1:], op=dist.ReduceOp.SUM, group=dedications[0].tp_group)
+        if dedications[0].exchange.tp_group is not None:  # the per-TP-rank part, in place
+            dist.all_reduce(
+                owned_sq[1:], op=dist.ReduceOp.SUM, group=dedications[0].exchange.tp_group
+            )
         total_sq = total_sq + owned_sq.sum()
     if pp_group is not None:
         dist.all_reduce(total_sq, op=dist.ReduceOp.SUM, group=pp_group)

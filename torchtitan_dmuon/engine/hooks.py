@@ -14,97 +14,55 @@ Per boundary (in the manner of FSDP2):
 * end of backward (an autograd final callback): boundaries whose trigger did not fire are
   reduced too, every reduce is awaited and owners accumulate the reduced gradients.
 
-Collectives must be issued in the same order on every rank, even when a branch is unused
-on some ranks. So each kind of collective follows one fixed sequence over the boundaries
-(forward order for forward gathers, reverse order for backward gathers and reduces): a
-trigger issues everything up to its own boundary, and the end of forward / backward
-issues the rest. When a trigger fires depends on the rank, so sequences that run in the
-same pass never share a process group: gathers use the shard group, reduces the reduce
-group, and neither is FSDP2's.
-
-A pass that raises (an out-of-memory error, a bad op) leaves its state behind; the next
-root pre-forward finds the driver not idle, waits for what the failed pass issued, drops
-its partial gradients and starts clean, as FSDP2 resets its per-pass state there.
+Collectives follow fixed sequences over the boundaries, the same on every rank, and a
+failed pass is cleaned up at the next root pre-forward (see
+:mod:`~torchtitan_dmuon.engine.pass_state`).
 """
 
 from __future__ import annotations
 
 import logging
-from enum import Enum, auto
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd.graph import register_multi_grad_hook
 from torch.profiler import record_function
-from torch.utils._pytree import tree_flatten
 
-__all__ = ["HookDriver", "TrainingState"]
+from torchtitan_dmuon.engine.pass_state import (
+    CollectiveSequence,
+    DrivenDedication,
+    TrainingState,
+    register_pre_backward,
+)
+from torchtitan_dmuon.engine.plan import Boundary
+
+__all__ = ["HookDriver"]
 
 logger = logging.getLogger(__name__)
-
-
-class TrainingState(Enum):
-    """Where the current pass is."""
-
-    IDLE = auto()
-    """No pass, or a forward without grad finished."""
-    FORWARD = auto()
-    """Inside the root forward."""
-    AWAITING_BACKWARD = auto()
-    """A forward with grad finished; its backward may or may not come."""
-    BACKWARD = auto()
-    """Inside backward (a pre-forward now is an activation-checkpoint recompute)."""
-
-
-class _Sequence:
-    """Issues one collective per boundary, in a fixed order, at most once per pass."""
-
-    def __init__(self, order: list[int], issue) -> None:
-        self.order = order
-        self.position = {b: i for i, b in enumerate(order)}
-        self.issue = issue
-        self.next = 0
-
-    def reset(self) -> None:
-        self.next = 0
-
-    def upcoming(self) -> int | None:
-        return self.order[self.next] if self.next < len(self.order) else None
-
-    def through(self, boundary: int) -> None:
-        """Issue every boundary up to and including ``boundary`` not issued yet."""
-        while self.next <= self.position[boundary]:
-            self.issue(self.order[self.next])
-            self.next += 1
-
-    def finish(self) -> None:
-        if self.next < len(self.order):
-            self.through(self.order[-1])
 
 
 class HookDriver:
     """The hooks of one dedication and the state of the current pass."""
 
-    def __init__(self, dedication) -> None:
+    def __init__(self, dedication: DrivenDedication, boundaries: list[Boundary]) -> None:
         self.d = dedication
-        n = len(dedication.plan.boundaries)
-        forward_order = list(range(n))
+        self.exchange = dedication.exchange
+        self.boundaries = boundaries
+        forward_order = list(range(len(boundaries)))
         backward_order = forward_order[::-1]
         self.state = TrainingState.IDLE
         self._gathers: dict[int, list[dist.Work]] = {}
-        # Boundaries whose values are here and current (gathered, not freed since): a
-        # gather of one of them sends nothing. Z3 keeps the last boundary after forward
-        # (backward needs it first); a pipeline stage keeps all of them between its
-        # micro-batches (``reshard_after_backward`` off).
+        # Boundaries whose values are here and current: a gather of one sends nothing
+        # (Z3 keeps the last after forward; a pipeline stage keeps all of them between its
+        # micro-batches, ``reshard_after_backward`` off).
         self._resident: set[int] = set()
         self._reduces: list = []  # PendingReduce, in issue order
-        self.forward_gathers = _Sequence(forward_order, self._issue_gather)
-        self.backward_gathers = _Sequence(backward_order, self._issue_gather)
-        self.reduce_sequence = _Sequence(backward_order, self._issue_reduce)
-        self._expected = [len(b.parameters) for b in dedication.plan.boundaries]
-        self._grad_counts = [0] * n
-        self._reduce_ready = [False] * n
+        self.forward_gathers = CollectiveSequence(forward_order, self._issue_gather)
+        self.backward_gathers = CollectiveSequence(backward_order, self._issue_gather)
+        self.reduce_sequence = CollectiveSequence(backward_order, self._issue_reduce)
+        self._expected = [len(b.parameters) for b in boundaries]
+        self._grad_counts = [0] * len(boundaries)
+        self._reduce_ready = [False] * len(boundaries)
         self._handles: list = []
         self._param_hooks: dict[str, tuple[nn.Parameter, object]] = {}
 
@@ -114,7 +72,7 @@ class HookDriver:
         handles = [
             model.register_forward_pre_hook(self._root_pre_forward, prepend=True, with_kwargs=True)
         ]
-        for b, boundary in enumerate(self.d.plan.boundaries):
+        for b, boundary in enumerate(self.boundaries):
             handles.append(
                 boundary.module.register_forward_pre_hook(self._pre_forward(b), with_kwargs=True)
             )
@@ -125,13 +83,10 @@ class HookDriver:
         self._handles = handles
 
     def bind_params(self) -> None:
-        """Give each current parameter object its post-accumulate-grad hook, once.
-
-        Checked by the hook's own handle, not by ``id``: ``to_empty`` registers new
-        objects (an old id can come back for another tensor), and ``swap_tensors`` moves
-        the hooks of an object along with its contents.
-        """
-        for b, boundary in enumerate(self.d.plan.boundaries):
+        """Give each current parameter object its post-accumulate-grad hook, once: checked
+        by the hook's handle, not by ``id`` (``to_empty`` registers new objects, an old id
+        can come back; ``swap_tensors`` moves an object's hooks with its contents)."""
+        for b, boundary in enumerate(self.boundaries):
             for dp in boundary.params:
                 hooked = self._param_hooks.get(dp.name)
                 if hooked is not None and hooked[0] is dp.param:
@@ -155,7 +110,9 @@ class HookDriver:
             return
         self._resident.add(b)
         with record_function(f"dmuon::gather b{b}"):
-            self._gathers[b] = [w for u in self.d.boundary_units[b] for w in self.d.gather(u)]
+            self._gathers[b] = [
+                w for u in self.d.boundary_units[b] for w in self.exchange.gather(u)
+            ]
 
     def _wait_gather(self, b: int) -> None:
         works = self._gathers.pop(b, None)
@@ -170,11 +127,11 @@ class HookDriver:
     def _issue_reduce(self, b: int) -> None:
         with record_function(f"dmuon::reduce b{b}"):
             for unit in self.d.boundary_units[b]:
-                self._reduces.append(self.d.reduce_to_column(unit))
-            for param in self.d.plan.boundaries[b].parameters:
+                self._reduces.append(self.exchange.reduce_to_column(unit))
+            for param in self.boundaries[b].parameters:
                 param.grad = None  # packed (a stack's pieces by several units)
             self._resident.discard(b)  # reduce_to_column freed the values
-            self.d.start_second_stages(self._reduces, wait=False)
+            self.exchange.start_second_stages(self._reduces, wait=False)
 
     def _free_boundary(self, b: int) -> None:
         self._resident.discard(b)
@@ -187,17 +144,13 @@ class HookDriver:
         for b in range(len(self._expected)):
             self._free_boundary(b)
 
-    def _prefetch(self, sequence: _Sequence) -> None:
+    def _prefetch(self, sequence: CollectiveSequence) -> None:
         """Start gathering the next boundary in ``sequence`` now, unless its values are
-        still arriving from the primary replica (then it is gathered when needed, and the
-        replicate broadcast keeps overlapping the current boundary's compute).
-
-        That choice depends on timing, so it differs between ranks. It only moves *when*
-        a gather is issued, never the order of the gathers, and the gathers have a group
-        of their own.
-        """
+        still arriving from the primary replica (then it is gathered when needed). That
+        depends on timing, so on the rank: it moves *when* a gather is issued, never the
+        order of the gathers, which have a group of their own."""
         upcoming = sequence.upcoming()
-        if upcoming is not None and self.d.replicas_landed(upcoming):
+        if upcoming is not None and self.exchange.replicas_landed(self.d.boundary_units[upcoming]):
             sequence.through(upcoming)
 
     # ---- forward ---------------------------------------------------------------------------
@@ -221,7 +174,7 @@ class HookDriver:
                 self._free_boundary(b)
         if torch.is_grad_enabled():
             self.state = TrainingState.AWAITING_BACKWARD
-            self._register_pre_backward(output, lambda grad: self._start_backward())
+            register_pre_backward(output, lambda grad: self._start_backward())
         else:
             self.state = TrainingState.IDLE
         return None
@@ -253,18 +206,10 @@ class HookDriver:
                 # The last boundary stays (on every rank alike, so the backward gather
                 # sequences agree): backward needs it first.
                 self._free_boundary(b)
-            self._register_pre_backward(output, lambda grad: self._pre_backward(b))
+            register_pre_backward(output, lambda grad: self._pre_backward(b))
             return None
 
         return hook
-
-    @staticmethod
-    def _register_pre_backward(output, fn) -> None:
-        if not torch.is_grad_enabled():
-            return
-        tensors = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
-        if tensors:
-            register_multi_grad_hook(tensors, fn, mode="any")
 
     # ---- backward --------------------------------------------------------------------------
     def _start_backward(self) -> None:
@@ -315,12 +260,12 @@ class HookDriver:
         self.state = TrainingState.IDLE
 
     def reduce_accumulated(self) -> None:
-        """Reduce the gradients accumulated in ``p.grad`` by backwards that did not sync,
-        now, as the end of a synced backward would, then free the values (see
-        :meth:`Dedication.reduce_grads`)."""
+        """Reduce the gradients that backwards without sync accumulated in ``p.grad`` now,
+        as the end of a synced backward would, then free the values (a pipeline stage,
+        after its last backward of the step)."""
         if self.state in (TrainingState.FORWARD, TrainingState.BACKWARD):
             raise RuntimeError(
-                f"reduce_grads was called inside a {self.state.name.lower()} pass; call it "
+                f"gradients were reduced inside a {self.state.name.lower()} pass; reduce "
                 "after the last backward of the step"
             )
         self.reduce_sequence.reset()
@@ -349,6 +294,6 @@ class HookDriver:
         for b in list(self._gathers):
             self._wait_gather(b)
         reduces, self._reduces = self._reduces, []
-        self.d.discard_reduces(reduces)
+        self.exchange.discard_reduces(reduces)
         self.free_all()
         self.state = TrainingState.IDLE

@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from torchtitan_dmuon.engine.plan import (
+from torchtitan_dmuon.engine.param_layout import (
     expert_parallel_coordinates,
     expert_tensor_parallel_dim,
     is_expert_parallel,

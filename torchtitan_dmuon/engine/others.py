@@ -21,9 +21,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from torchtitan_dmuon.engine import comm
-from torchtitan_dmuon.engine.plan import local_tensor
+from torchtitan_dmuon.engine.param_layout import local_grad, local_tensor
 from torchtitan_dmuon.engine.settings import DedicationSettings
-from torchtitan_dmuon.engine.unit import flagged_grad_bucket, local_grad
 
 __all__ = ["OtherParams"]
 
@@ -100,7 +99,7 @@ class OtherParams:
         if not self.params:
             return
         dtype = functools.reduce(torch.promote_types, (p.dtype for p in self.params))
-        bucket = flagged_grad_bucket(
+        bucket = comm.flagged_grad_bucket(
             [local_grad(p) for p in self.params],
             [local_tensor(p).numel() for p in self.params],
             dtype,

@@ -56,8 +56,9 @@ def attach_pipeline_stage(stage: _PipelineStageBase) -> None:
         result = backward(backward_type, bwd_kwargs, last_backward=last_backward)
         if last_backward:
             # Every schedule marks the stage's last full or weight backward of the step:
-            # the gradients of all its micro-batches are in p.grad now.
-            dedication.reduce_grads()
+            # the gradients of all its micro-batches are in p.grad now; reduce them to
+            # their owners, as the end of a synced backward would (every DP rank does).
+            dedication.driver.reduce_accumulated()
         return result
 
     def scale(grad_scale_factor: int) -> None:

@@ -1,4 +1,5 @@
-"""Which parameters Muon takes: one rule set for ``dedicate_params`` and one-process Muon."""
+"""Which parameters Muon takes (one rule set for ``dedicate_params`` and one-process Muon),
+and the modules whose hooks move them."""
 
 from __future__ import annotations
 
@@ -7,13 +8,39 @@ from collections.abc import Callable
 
 from torch import nn
 
-from torchtitan_dmuon.engine.plan import default_boundary_modules
-
-__all__ = ["Predicate", "select_matrices"]
+__all__ = [
+    "BoundaryPredicate",
+    "Predicate",
+    "boundary_name",
+    "default_boundary_modules",
+    "select_matrices",
+]
 
 logger = logging.getLogger(__name__)
 
 Predicate = Callable[[str, nn.Parameter], bool]
+BoundaryPredicate = Callable[[str, nn.Module], bool]
+
+
+def default_boundary_modules(model: nn.Module) -> set[nn.Module]:
+    """Blocks: modules held in an ``nn.ModuleList``/``nn.ModuleDict`` (what
+    ``fully_shard`` is applied to in TorchTitan and most training scripts)."""
+    blocks = set()
+    for module in model.modules():
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            blocks.update(module.children())
+    return blocks
+
+
+def boundary_name(param_name: str, model: nn.Module, accepts: BoundaryPredicate) -> str:
+    """The innermost ancestor module of ``param_name`` that ``accepts`` ("" for the root
+    when none does)."""
+    parts = param_name.split(".")[:-1]
+    for depth in range(len(parts), 0, -1):
+        module_name = ".".join(parts[:depth])
+        if accepts(module_name, model.get_submodule(module_name)):
+            return module_name
+    return ""
 
 
 def _embedding_like(model: nn.Module) -> dict[int, str]:

@@ -24,41 +24,12 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from torchtitan_dmuon.engine.plan import DedicatedParam, UnitPlan, local_tensor
+from torchtitan_dmuon.engine.comm import flagged_grad_bucket
+from torchtitan_dmuon.engine.param_layout import ParamLayout, local_tensor
+from torchtitan_dmuon.engine.plan import DedicatedParam, UnitPlan
 
-__all__ = ["RefilledParam", "Unit", "flagged_grad_bucket", "local_grad"]
-
-
-def local_grad(p: nn.Parameter) -> torch.Tensor | None:
-    """This rank's gradient of ``p``, laid out as its local tensor (None if it has none)."""
-    grad = p.grad
-    if isinstance(grad, DTensor):
-        if grad.placements != p.placements:
-            # A tensor-parallel gradient laid out otherwise (e.g. partial sums of an
-            # embedding's): this rank's shard, as the parameter is laid out.
-            grad = grad.redistribute(p.device_mesh, p.placements)
-        grad = grad.to_local()
-    return grad
-
-
-def flagged_grad_bucket(
-    grads: list[torch.Tensor | None], numels: list[int], dtype: torch.dtype, device
-) -> torch.Tensor:
-    """The gradients back to back (zeros where one is None, ``numels`` elements each),
-    then one has-gradient flag per gradient: a bucket of the same size on every rank,
-    whatever gradients each rank computed, so that a gradient no rank computed can be
-    told from one whose sum is zero."""
-    total = sum(numels)
-    bucket = torch.zeros(total + len(grads), dtype=dtype, device=device)
-    offset = 0
-    for i, (grad, numel) in enumerate(zip(grads, numels, strict=True)):
-        if grad is not None:
-            bucket[offset : offset + numel].copy_(grad.reshape(-1))
-            bucket[total + i] = 1
-        offset += numel
-    return bucket
+__all__ = ["RefilledParam", "Unit", "bind_boundary"]
 
 
 class RefilledParam:
@@ -73,10 +44,9 @@ class RefilledParam:
             dtype; the parameter's data.
     """
 
-    def __init__(self, param: nn.Parameter, dtype: torch.dtype) -> None:
+    def __init__(self, param: nn.Parameter, layout: ParamLayout, dtype: torch.dtype) -> None:
         self.tensor = local_tensor(param).detach().to(dtype, copy=True)
-        target = param._local_tensor if isinstance(param, DTensor) else param
-        target.data = self.tensor
+        layout.storage(param).data = self.tensor
         self.free()
 
     def allocate(self) -> None:
@@ -146,21 +116,21 @@ class Unit:
     @staticmethod
     def view(buffer: torch.Tensor, d: DedicatedParam) -> torch.Tensor:
         """``d``'s slice of a buffer in the unit's layout (masters, gradients)."""
-        return buffer[d.offset : d.offset + d.numel].view(d.local_shape)
+        return buffer[d.offset : d.offset + d.numel].view(d.layout.local_shape)
 
     def value_view(self, d: DedicatedParam) -> torch.Tensor:
         """``d``'s compute-dtype value in ``flat`` or ``pieces``."""
-        if d.experts is None:
+        if not d.layout.is_piece:
             return self.view(self.flat, d)
         start = d.offset - self.plan.whole_numel
-        return self.pieces[start : start + d.numel].view(d.local_shape)
+        return self.pieces[start : start + d.numel].view(d.layout.local_shape)
 
     def master_view(self, d: DedicatedParam) -> torch.Tensor:
         """The full-precision value the optimizer updates (the value itself without
         mixed precision). Before :meth:`bind`, the parameter's (a checkpoint can load
         into it before the first forward)."""
         if self.master_dtype is None:
-            return _value_of(d)
+            return d.layout.value(d.param)
         if self.master is None:
             return self.value_view(d)
         return self.view(self.master, d)
@@ -184,10 +154,10 @@ class Unit:
         def values(ds: list[DedicatedParam]) -> torch.Tensor | None:
             if not ds:
                 return None
-            return torch.cat([_value_of(d).reshape(-1) for d in ds])
+            return torch.cat([d.layout.value(d.param).reshape(-1) for d in ds])
 
-        whole = values([d for d in self.params if d.experts is None])
-        pieces = values([d for d in self.params if d.experts is not None])
+        whole = values([d for d in self.params if not d.layout.is_piece])
+        pieces = values([d for d in self.params if d.layout.is_piece])
         if self.primary and compute_dtype != self.master_dtype:
             self.master = torch.cat([t for t in (whole, pieces) if t is not None])
         # Own storage each (a master or the other buffer must not share it).
@@ -196,7 +166,7 @@ class Unit:
         if pieces is not None:
             self.pieces = pieces.to(compute_dtype, copy=True)
         for d in self.params:
-            if not refills(d):
+            if not d.layout.refills:
                 d.param.data = self.view(self.flat, d)
         self.free()
 
@@ -222,9 +192,8 @@ class Unit:
         """Once the unit's values are here: copy them into the refilled parameters (a rank
         outside the column then drops its copy of the pieces)."""
         for d in self.params:
-            if d.experts is not None:
-                start, stop = d.experts
-                self.refilled[d.name].tensor[start:stop].copy_(self.value_view(d))
+            if d.layout.is_piece:
+                d.layout.select(self.refilled[d.name].tensor).copy_(self.value_view(d))
             elif d.name in self.refilled:
                 self.refilled[d.name].tensor.copy_(self.value_view(d))
         if self.pieces is not None and not self.holds:
@@ -245,12 +214,7 @@ class Unit:
         """The reduce bucket (reduce dtype, a has-gradient flag per matrix or piece after
         the values). The caller drops the local gradients once every unit sharing them
         (a stack's pieces) is packed."""
-        grads = []
-        for d in self.params:
-            grad = local_grad(d.param)
-            if grad is not None and d.experts is not None:
-                grad = grad[d.experts[0] : d.experts[1]]
-            grads.append(grad)
+        grads = [d.layout.local_grad(d.param) for d in self.params]
         numels = [d.numel for d in self.params]
         return flagged_grad_bucket(grads, numels, self.reduce_dtype, self.device)
 
@@ -292,13 +256,16 @@ class Unit:
         return held
 
 
-def _value_of(d: DedicatedParam) -> torch.Tensor:
-    """``d``'s current value in the parameter (its piece of a stack)."""
-    value = local_tensor(d.param).detach()
-    return value if d.experts is None else value[d.experts[0] : d.experts[1]]
-
-
-def refills(d: DedicatedParam) -> bool:
-    """Whether ``d``'s parameter computes from storage of its own (a
-    :class:`RefilledParam`) rather than from a view of its unit's flat buffer."""
-    return d.experts is not None or isinstance(d.param, DTensor)
+def bind_boundary(
+    units: list[Unit], param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None
+) -> None:
+    """Bind one boundary's units (see :meth:`Unit.bind`), then give the parameters that
+    refill storage of their own (a stack's pieces share one, across units)."""
+    for unit in units:
+        unit.bind(param_dtype, reduce_dtype)
+    refilled: dict[str, RefilledParam] = {}
+    for unit in units:  # after the units read their values
+        for d in unit.params:
+            if d.layout.refills and d.name not in refilled:
+                refilled[d.name] = RefilledParam(d.param, d.layout, param_dtype or d.param.dtype)
+        unit.refilled = {d.name: refilled[d.name] for d in unit.params if d.layout.refills}

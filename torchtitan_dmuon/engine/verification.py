@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from torchtitan_dmuon.engine.comm import all_gather_rows, gather_over_groups, mesh_device
-from torchtitan_dmuon.engine.plan import is_expert_parallel
+from torchtitan_dmuon.engine.param_layout import is_expert_parallel
 
 if TYPE_CHECKING:
     from torchtitan_dmuon.engine.dedication import Dedication
@@ -140,17 +140,19 @@ def verify_plan(dedication: Dedication) -> None:
     are not involved: a stage's plan is its own.
     """
     device = mesh_device(dedication.mesh)
+    exchange, expert_parallel = dedication.exchange, dedication.plan.expert_parallel
     fingerprint = dedication.plan.fingerprint(dedication.settings.reshard_after_forward)
     coordinates = [fingerprint, dedication.replicate_rank]
     error, expert_rank, ep_rank, etp_rank = None, 0, 0, 0
-    if len(dedication.domains) == 2:
-        experts = dedication.domains[1]
-        expert_rank, ep_rank, etp_rank = experts.rank, dedication.ep_rank, dedication.etp_rank
+    if expert_parallel:
+        experts = exchange.domains[1]
+        layout = next(d.layout for u in dedication.plan.units if u.domain == 1 for d in u.params)
+        expert_rank, ep_rank, etp_rank = experts.rank, layout.ep_rank, layout.etp_rank
         rows = all_gather_rows(coordinates + [expert_rank], experts.shard_group, device)
         error = _layout_error(rows, "efsdp")
     mine = coordinates + [dedication.shard_rank, dist.get_rank(), error is None]
     shard_table = all_gather_rows(
-        mine + [expert_rank, ep_rank, etp_rank], dedication.shard_group, device
+        mine + [expert_rank, ep_rank, etp_rank], exchange.shard_group, device
     )
     error = error or _layout_error([row[:3] for row in shard_table], "shard")
     if error is None and not all(row[4] for row in shard_table):
@@ -161,9 +163,9 @@ def verify_plan(dedication: Dedication) -> None:
     # (global rank, experts' column, ep rank, etp rank) of this replica's columns, in order.
     columns = [x for row in sorted(shard_table, key=lambda row: row[2]) for x in row[3:4] + row[5:]]
     tables = [columns]
-    if dedication.replicas is not None:
+    if exchange.replicas is not None:
         rows = all_gather_rows(
-            mine[:4] + [error is None] + columns, dedication.replicas.group, device
+            mine[:4] + [error is None] + columns, exchange.replicate_group, device
         )
         error = error or _layout_error([row[:3] for row in rows], "replicate")
         if error is None and not all(row[4] for row in rows):
@@ -175,11 +177,11 @@ def verify_plan(dedication: Dedication) -> None:
     ranks = [table[i : i + 4] for table in tables for i in range(0, len(table), 4)]
     # (replica, global rank, experts' column, ep rank, etp rank) of each data-parallel rank.
     entries = [(slot // dedication.shard_size, *row) for slot, row in enumerate(ranks)]
-    if len(dedication.domains) == 2 and dedication.tp_group is not None:
+    if expert_parallel and exchange.tp_group is not None:
         # The ep groups may span the tensor-parallel ranks (TorchTitan's ep borrows them):
         # their owners too. Carrying the verdicts, since these groups cross shard groups.
         flat = [error is None] + [x for entry in entries for x in entry]
-        rows = all_gather_rows(flat, dedication.tp_group, device)
+        rows = all_gather_rows(flat, exchange.tp_group, device)
         if error is None and not all(row[0] for row in rows):
             error = RuntimeError(
                 "the ranks of another tensor-parallel position disagree about the "
@@ -189,8 +191,8 @@ def verify_plan(dedication: Dedication) -> None:
     if error is not None:
         raise error
     dedication.slot_ranks = [row[0] for row in ranks]
-    if len(dedication.domains) == 2:
-        per_replica = dedication.domains[1].size
+    if expert_parallel:
+        per_replica = exchange.domains[1].size
         dedication.expert_owner_ranks = {
             (ep, replica * per_replica + column, etp): rank
             for replica, rank, column, ep, etp in entries

@@ -76,7 +76,7 @@ def as_saved(dedication: Dedication, entry: DedicatedParam, local: torch.Tensor)
       parallelism, of every ``ep`` rank's experts: the whole stack, as without).
     """
     param = entry.param
-    if entry.experts is not None:
+    if entry.layout.is_piece:
         shards = [
             ShardMetadata(offsets, sizes, placement=f"rank:{rank}/{local.device}")
             for offsets, sizes, rank in piece_shards(dedication, entry.name)
@@ -89,7 +89,7 @@ def as_saved(dedication: Dedication, entry: DedicatedParam, local: torch.Tensor)
         return ShardedTensor._init_from_local_shards_and_global_metadata(
             [Shard(local, mine)], metadata
         )
-    if not isinstance(param, DTensor) or isinstance(local, DTensor) or entry.split_dim is None:
+    if isinstance(local, DTensor) or entry.layout.split_dim is None:
         return local  # whole (a replicated DTensor's local tensor is the whole matrix)
     return DTensor.from_local(
         local, param.device_mesh, param.placements, run_check=False,

@@ -121,7 +121,7 @@ class DMuonTrainer(Trainer):
         # comm.train_timeout_seconds (hang detection); the engine's own groups follow.
         _torchtitan_set_pg_timeouts(timeout, parallel_dims)
         for dedication in self.dedications:
-            for group in dedication.process_groups():
+            for group in dedication.exchange.process_groups():
                 dist.distributed_c10d._set_pg_timeout(timeout, group)
         logger.info("dmuon: the engine's process groups now time out after %s", timeout)
 

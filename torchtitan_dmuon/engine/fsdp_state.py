@@ -1,6 +1,7 @@
-"""Recovery from a forward or backward that raised half-way: FSDP2's part.
+"""What the engine reads from FSDP2's state, and resets in it.
 
-The engine's own part (waiting for what the failed pass issued, dropping its partial
+Recovery from a forward or backward that raised half-way needs FSDP2's part reset too; the
+engine's own part (waiting for what the failed pass issued, dropping its partial
 reduces) is :meth:`HookDriver.reset_iter_state`; :meth:`Dedication.recover` runs both, so
 that ``zero_grad()`` after a caught failure is all a training loop needs to call.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-__all__ = ["reset_fsdp_state"]
+__all__ = ["mixed_precision_of", "reset_fsdp_state"]
 
 
 def reset_fsdp_state(model: nn.Module) -> None:
@@ -41,3 +42,15 @@ def _drop_unsharded_grads(root: FSDPModule) -> None:
 def _ancestors(name: str) -> list[str]:
     parts = name.split(".") if name else []
     return [".".join(parts[:depth]) for depth in range(len(parts))]
+
+
+def mixed_precision_of(model: nn.Module, boundary_name: str) -> tuple:
+    """``(param_dtype, reduce_dtype)`` of the innermost ``fully_shard`` call that covers
+    the boundary (the boundary itself or an ancestor), or ``(None, None)``."""
+    parts = boundary_name.split(".") if boundary_name else []
+    for depth in range(len(parts), -1, -1):
+        module = model.get_submodule(".".join(parts[:depth]))
+        if isinstance(module, FSDPModule):
+            policy = fully_shard.state(module)._mp_policy
+            return policy.param_dtype, policy.reduce_dtype
+    return None, None

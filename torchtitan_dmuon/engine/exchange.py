@@ -1,0 +1,160 @@
+"""The engine's process groups and the collectives that move units over them.
+
+Gathers and stage-1 reduces each run on a group of their own: in backward a boundary's
+reduce starts when its gradients are complete, which rank-dependent branches make differ
+between ranks, so on one group the two sequences could interleave differently (a hang).
+Each sequence alone has a fixed order (see :mod:`~torchtitan_dmuon.engine.hooks`).
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from torchtitan_dmuon.engine import comm
+from torchtitan_dmuon.engine.comm import CommStats, PendingReduce, ShardGroups
+from torchtitan_dmuon.engine.replicas import Replicas
+from torchtitan_dmuon.engine.tensor_parallel import TensorParallelNS
+from torchtitan_dmuon.engine.unit import Unit
+
+__all__ = ["Exchange"]
+
+
+class Exchange:
+    """One dedication's groups: per domain a shard and a reduce group (dense, then the
+    experts' ``efsdp`` under expert parallelism), the replicate group under HSDP
+    (:class:`Replicas`) and the tensor-parallel group with its Newton-Schulz.
+
+    Attributes:
+        domains: The :class:`ShardGroups` of each plan domain.
+        replicas: HSDP's second stage, or None.
+        tp_group: The owner column's tensor-parallel ranks, or None.
+        tensor_parallel: Their Newton-Schulz (:class:`TensorParallelNS`), or None.
+        stats: Bytes and calls per collective kind.
+    """
+
+    def __init__(
+        self,
+        mesh: DeviceMesh,
+        replicate_mesh: DeviceMesh | None,
+        tp_mesh: DeviceMesh | None,
+        expert_mesh: DeviceMesh | None,
+        stats: CommStats,
+    ) -> None:
+        self.stats = stats
+        self.domains = [ShardGroups(mesh, "")]
+        if expert_mesh is not None:
+            self.domains.append(ShardGroups(expert_mesh, "expert_"))
+        self.replicas: Replicas | None = None
+        if replicate_mesh is not None:
+            group = comm.engine_group(replicate_mesh.get_group(), "dmuon_replicate")
+            self.replicas = Replicas(
+                group, replicate_mesh.get_local_rank(), replicate_mesh.size(), stats
+            )
+        self.tp_group: dist.ProcessGroup | None = None
+        self.tensor_parallel: TensorParallelNS | None = None
+        if tp_mesh is not None:
+            self.tp_group = comm.engine_group(tp_mesh.get_group(), "dmuon_tp")
+            self.tensor_parallel = TensorParallelNS(self.tp_group, stats)
+
+    @property
+    def shard_group(self) -> dist.ProcessGroup:
+        return self.domains[0].shard_group
+
+    @property
+    def replicate_group(self) -> dist.ProcessGroup | None:
+        return self.replicas.group if self.replicas is not None else None
+
+    def domain_of(self, unit: Unit) -> ShardGroups:
+        """The shard and reduce groups ``unit`` moves over."""
+        return self.domains[unit.plan.domain]
+
+    def process_groups(self) -> list[dist.ProcessGroup]:
+        """Every group of its own: shard, reduce (the same ranks), replicate, the experts'
+        shard and reduce groups and the tensor-parallel group."""
+        groups = [self.domains[0].shard_group, self.domains[0].reduce_group]
+        groups += [self.replicas.group] if self.replicas is not None else []
+        groups += [
+            g for domain in self.domains[1:] for g in (domain.shard_group, domain.reduce_group)
+        ]
+        return groups + ([self.tp_group] if self.tp_group is not None else [])
+
+    def data_parallel_groups(self) -> list[dist.ProcessGroup]:
+        """Groups whose successive SUM all-reduces sum over every data-parallel rank: the
+        reduce group, then the replicate group under HSDP (both idle outside backward)."""
+        replicate = [self.replicas.group] if self.replicas is not None else []
+        return [self.domains[0].reduce_group] + replicate
+
+    def gather(self, unit: Unit) -> list[dist.Work]:
+        """Materialize ``unit`` in this shard group: a broadcast of each of its buffers
+        from its column, once the column has the latest values from the primary replica
+        (:meth:`Unit.refill` follows once they land)."""
+        if self.replicas is not None:
+            self.replicas.wait(unit)
+        unit.allocate()
+        domain = self.domain_of(unit)
+        return [
+            comm.broadcast(
+                buffer, unit.column, domain.shard_group, self.stats, domain.kind("broadcast")
+            )
+            for buffer in unit.buffers
+        ]
+
+    def replicas_landed(self, units: list[Unit]) -> bool:
+        return self.replicas is None or self.replicas.landed(units)
+
+    def reduce_to_column(self, unit: Unit) -> PendingReduce:
+        """Stage 1: pack the local gradients, free the values outside the column and SUM
+        the bucket onto the unit's column inside its domain's shard group (an expert
+        unit's: the ranks holding the same experts, which together saw every token
+        routed to them)."""
+        bucket = unit.pack_grads()
+        unit.free()  # the caller drops the gradients
+        domain = self.domain_of(unit)
+        work = comm.reduce_sum(
+            bucket, unit.column, domain.reduce_group, self.stats, domain.kind("reduce")
+        )
+        return PendingReduce(unit, bucket, work)
+
+    def start_second_stages(self, reduces: list[PendingReduce], wait: bool) -> None:
+        """HSDP: start stage 2 (across replicas, onto the primary) of the column's units
+        whose stage 1 has landed, in issue order; with ``wait``, of all of them.
+
+        Called as backward issues more reduces, so stage 2 overlaps the rest of backward.
+        Stopping at the first unit still in stage 1 keeps the order of the replicate
+        group's reduces the same on every replica, whenever each one is issued.
+        """
+        if self.replicas is None:
+            return
+        for pending in reduces:
+            if not pending.unit.holds or pending.to_primary is not None:
+                continue
+            if not wait and not pending.to_column.is_completed():
+                return
+            pending.to_column.wait()
+            pending.to_primary = self.replicas.reduce_to_primary(pending.unit, pending.bucket)
+
+    def finish_reduces(self, reduces: list[PendingReduce], divide_factor: float) -> None:
+        """The remaining second stages, then the primaries accumulate their gradients."""
+        self.start_second_stages(reduces, wait=True)
+        for pending in reduces:
+            pending.wait()
+            if pending.unit.primary:
+                pending.unit.accumulate_grads(pending.bucket, divide_factor)
+
+    def discard_reduces(self, reduces: list[PendingReduce]) -> None:
+        """A failed pass's reduces: let them land (their buffers are in use until then)
+        and drop them.
+
+        Every rank issued the same first stages; the second stages a replica started
+        depended on timing, so all of them are started first: otherwise a replica would
+        wait for a reduce the other never issues.
+        """
+        self.start_second_stages(reduces, wait=True)
+        for pending in reduces:
+            pending.wait()
+
+    def wait_replicas(self) -> None:
+        """Wait for every in-flight replicate broadcast."""
+        if self.replicas is not None:
+            self.replicas.wait_all()
