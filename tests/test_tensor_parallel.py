@@ -23,6 +23,7 @@ from tests.workers import (
     MUON_KW,
     as_muon_adamw_kwargs,
     failing_pass,
+    failing_step,
     full_params,
     reference_setup,
     train_one_process,
@@ -38,11 +39,16 @@ def _model() -> TokenModel:
     return TokenModel(VOCAB)
 
 
-def tp_worker(rank, world, ns_backend, fail_before_step=None):
+def tp_worker(
+    rank, world, ns_backend, fail_before_step=None, tp_blocks=(0, 1, 2), fail_step_at=None
+):
+    """``tp_blocks``: the blocks split over TP (the others' matrices are whole on every TP
+    rank); ``fail_step_at=(step, rank)``: that rank's first Newton-Schulz call of that
+    step raises (then the step is retried)."""
     mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
     dp = mesh["dp"].get_local_rank()
     model = _model()
-    for block in model.layers:
+    for block in (model.layers[i] for i in tp_blocks):
         parallelize_module(
             block, mesh["tp"], {"up_proj": ColwiseParallel(), "down_proj": RowwiseParallel()}
         )
@@ -67,19 +73,26 @@ def tp_worker(rank, world, ns_backend, fail_before_step=None):
         opt.zero_grad()
         loss = loss_fn(model, inputs[dp * per : (dp + 1) * per], targets[dp * per : (dp + 1) * per])
         loss.backward()
+        if fail_step_at is not None and step == fail_step_at[0]:
+            step_failure = failing_step(opt, dedication, rank == fail_step_at[1], call=1)
         opt.step()
         losses.append(loss.item())
+    if fail_step_at is not None:
+        return {"losses": losses, "params": full_params(model, names_of(model)), **step_failure}
     stats = dedication.stats.snapshot()  # before the reads below gather shards
-    names = {n for n, p in model.named_parameters() if proj_predicate(n, p)}
     return {
         "losses": losses,
-        "params": full_params(model, names),
+        "params": full_params(model, names_of(model)),
         "stats": stats,
         "ns_matrices": opt.ns_matrices,
         "owned": len(dedication.primary_params()),
         "layout_error": _layout_error(mesh),
         "tp_mesh_error": _tp_mesh_error(mesh),
     }
+
+
+def names_of(model) -> set[str]:
+    return {n for n, p in model.named_parameters() if proj_predicate(n, p)}
 
 
 def _tp_mesh_error(mesh) -> str:
@@ -150,3 +163,27 @@ def test_tensor_parallel_matches_one_process(ns_backend):
         assert "over a 1-D mesh" in r["layout_error"]
         assert r["tp_mesh_error"].startswith("mesh: ranks ")
         assert "pass the data-parallel mesh" in r["tp_mesh_error"]
+
+
+def test_step_failure_before_tensor_parallel_collectives():
+    """Rank 1 fails in Newton-Schulz of a whole matrix (blocks 0 and 1: no TP) while its TP
+    peer would go on to the sharded Newton-Schulz of block 2: the step agrees on failure
+    before any TP collective, so all 4 ranks raise ``MuonStepError`` with their state
+    bitwise unchanged, and the retried steps equal one process. Before, the failing rank's
+    agreement met its peer's TP gather on the same group (a hang or a crash)."""
+    by_rank = run_distributed(tp_worker, DP * TP, "torch", None, (2,), (1, 1), timeout=180)
+    for rank, r in enumerate(by_rank):
+        assert "rank(s) [1] before any state changed" in r["message"]
+        assert ("injected Newton-Schulz failure" in r["message"]) == (rank == 1)
+        assert r["unchanged"] and r["tensors"] > 0
+    with reference_setup(torch.float32):
+        model = _model()
+        expected = train_one_process(
+            model, STEPS, lambda m, step: loss_fn(m, *batch(100 + step, SAMPLES, SEQ, VOCAB))
+        )
+    losses = [sum(step) / DP for step in zip(*(r["losses"] for r in by_rank[::TP]), strict=True)]
+    torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6)
+    reference = dict(model.named_parameters())
+    for r in by_rank:
+        for name, value in r["params"].items():
+            torch.testing.assert_close(value, reference[name].detach(), rtol=1e-4, atol=1e-5)

@@ -208,7 +208,7 @@ def train_dmuon(
             if clip is not None:
                 norms.append(clip_grad_norm_(model, clip).item())
             if fail_step_at is not None and step == fail_step_at[0]:
-                step_failure = _failing_step(opt, dedication, rank == fail_step_at[1])
+                step_failure = failing_step(opt, dedication, rank == fail_step_at[1])
             opt.step()
         per_step.append({**counter.snapshot(), "group_bytes": dict(counter.group_bytes)})
         dist.all_reduce(total)
@@ -294,10 +294,10 @@ def failing_pass(zero_grad, block, backward, fail_at: int = 0) -> bool:
     return raised
 
 
-def _failing_step(opt, dedication, fails_here: bool) -> dict:
-    """``opt.step()`` with this rank's second Newton-Schulz call raising if ``fails_here``:
-    returns what every rank raised and whether its parameters, masters, momentum and AdamW
-    state are bitwise what they were before the call."""
+def failing_step(opt, dedication, fails_here: bool, call: int = 2) -> dict:
+    """``opt.step()`` with this rank's ``call``-th Newton-Schulz call raising if
+    ``fails_here``: returns what every rank raised and whether its parameters, masters,
+    momentum and AdamW state are bitwise what they were before the call."""
     before = _optimizer_snapshot(opt, dedication)
     original = optimizer_module.bind_ns
 
@@ -306,7 +306,7 @@ def _failing_step(opt, dedication, fails_here: bool) -> dict:
 
         def run(x):
             calls.append(None)
-            if len(calls) == 2:
+            if len(calls) == call:
                 raise RuntimeError("injected Newton-Schulz failure")
             return ns(x)
 

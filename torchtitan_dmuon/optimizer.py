@@ -287,9 +287,11 @@ class Muon(torch.optim.Optimizer):
         write its parameters, momentum and AdamW state. If one rank fails in the first
         phase, every rank raises :class:`MuonStepError` and all state is as before the
         call (the reduced gradients are kept: ``step()`` may be called again, or
-        ``zero_grad()`` to drop them). Under tensor parallelism the owner column's TP
-        ranks run collectives inside the first phase, so a failure there on one of them
-        only is not caught this way.
+        ``zero_grad()`` to drop them). Under tensor parallelism the matrices stepped alone
+        go first and are agreed on before the owner columns' TP ranks start their sharded
+        Newton-Schulz, which is agreed on in turn; a failure on one TP rank *between* the
+        collectives of one sharded Newton-Schulz leaves its peers waiting in the next one
+        (until the process group's timeout).
 
         Raises:
             MuonStepError: The first phase raised on some rank of the dedication.
@@ -300,22 +302,13 @@ class Muon(torch.optim.Optimizer):
                 loss = closure()
         if self.dedication is not None:
             self.dedication.before_step()
-        error, pending = None, None
-        try:
-            pending = self._compute_updates()
-        except Exception as e:  # every rank must hear of it before any rank writes
-            error = e
-        if self.dedication is not None:
-            device = mesh_device(self.dedication.mesh)
-            failed = failed_ranks(self.dedication, error is not None, device)
-            if failed:
-                raise MuonStepError(
-                    f"Muon.step failed on rank(s) {failed} before any state changed; "
-                    "parameters, momentum and AdamW state are unchanged on every rank"
-                    + (f": {type(error).__name__}: {error}" if error is not None else "")
-                ) from error
-        elif error is not None:
-            raise error
+        local, sharded = self._grouped_targets()
+        # Whatever needs no collective first, and the ranks agree on it before the owner
+        # columns' TP ranks start their sharded Newton-Schulz (a rank that failed before
+        # would meet its TP peer's collective with its agreement).
+        pending = self._compute_agreed(local)
+        if self.dedication is not None and self.dedication.exchange.tp_group is not None:
+            pending += self._compute_agreed(sharded)
         self._apply_updates(pending)
         if self._adamw is not None:
             self._adamw.step()
@@ -323,30 +316,55 @@ class Muon(torch.optim.Optimizer):
             self.dedication.after_step()
         return loss
 
-    def _compute_updates(self) -> list[tuple]:
-        """The first phase of :meth:`step`: per group of matrices (by tensor-parallel split
-        dim), ``(params, keys, momentum buffers, update, whole shapes)``; nothing changes."""
-        group = self.param_groups[0]
-        with record_function("dmuon::owned_grads"):
-            if self.dedication is not None:
-                # Only the owner holds a matrix's reduced gradient: it alone steps it.
+    def _grouped_targets(self) -> tuple[list[tuple], list[tuple]]:
+        """``(split dim, keys, params, grads)`` per group of the matrices this rank steps:
+        those stepped alone (split dim None), then the tensor-parallel shards by split dim
+        (their owner column's TP ranks run the Newton-Schulz together)."""
+        if self.dedication is not None:
+            # Only the owner holds a matrix's reduced gradient: it alone steps it.
+            with record_function("dmuon::owned_grads"):
                 targets = self.dedication.owned_grads()
-            else:
-                targets = [(p, p, p.grad) for p in group["params"] if p.grad is not None]
+        else:
+            targets = [(p, p, p.grad) for p in self.param_groups[0]["params"] if p.grad is not None]
+        by_split: dict[int | None, list[tuple]] = {None: []}
+        for target in targets:
+            layout = self.dedication.layout_of(target[0]) if self.dedication is not None else None
+            split = layout.split_dim if layout is not None else None
+            by_split.setdefault(split, []).append(target)
+        groups = [(split, *zip(*ts, strict=True)) for split, ts in by_split.items() if ts]
+        return [g for g in groups if g[0] is None], [g for g in groups if g[0] is not None]
+
+    def _compute_agreed(self, groups: list[tuple]) -> list[tuple]:
+        """:meth:`_compute_updates` of ``groups``; then, distributed, every rank of the
+        dedication learns whether any failed (one flag all-reduce per group) and all raise
+        :class:`MuonStepError` alike, before any state changed."""
+        error, pending = None, []
+        try:
+            pending = self._compute_updates(groups)
+        except Exception as e:  # every rank must hear of it before any rank writes
+            error = e
+        if self.dedication is None:
+            if error is not None:
+                raise error
+            return pending
+        failed = failed_ranks(self.dedication, error is not None, mesh_device(self.dedication.mesh))
+        if failed:
+            raise MuonStepError(
+                f"Muon.step failed on rank(s) {failed} before any state changed; "
+                "parameters, momentum and AdamW state are unchanged on every rank"
+                + (f": {type(error).__name__}: {error}" if error is not None else "")
+            ) from error
+        return pending
+
+    def _compute_updates(self, groups: list[tuple]) -> list[tuple]:
+        """The first phase of :meth:`step`: per group of matrices (see
+        :meth:`_grouped_targets`), ``(params, keys, momentum buffers, update, whole
+        shapes)``; nothing changes."""
+        group = self.param_groups[0]
         schedule = resolve_ns_schedule(group["ns_coefficients"], group["ns_steps"])
         ns = bind_ns(self.ns_backend, schedule, eps=self.eps, dtype=self.ns_dtype)
-        # Tensor-parallel shards go by split dim: their owner column's TP ranks run the
-        # Newton-Schulz together, and the learning rate follows the whole matrix.
-        by_split: dict[int | None, list[int]] = {}
-        for i, (key, _, _) in enumerate(targets):
-            layout = self.dedication.layout_of(key) if self.dedication is not None else None
-            split = layout.split_dim if layout is not None else None
-            by_split.setdefault(split, []).append(i)
         pending = []
-        for split, indices in by_split.items():
-            keys = [targets[i][0] for i in indices]
-            params = [targets[i][1] for i in indices]
-            grads = [targets[i][2] for i in indices]
+        for split, keys, params, grads in groups:
             # A first step's buffers join the state only once the step commits.
             bufs = [self.state[key].get("momentum_buffer", None) for key in keys]
             bufs = [
@@ -360,14 +378,14 @@ class Muon(torch.optim.Optimizer):
                     split, ns, schedule, eps=self.eps, dtype=self.ns_dtype, backend=self.ns_backend
                 )
             update = muon_update(
-                params,
-                grads,
+                list(params),
+                list(grads),
                 bufs,
                 momentum=group["momentum"],
                 nesterov=group["nesterov"],
                 ns=group_ns,
             )
-            pending.append((params, keys, bufs, update, shapes))
+            pending.append((list(params), list(keys), bufs, update, shapes))
         return pending
 
     def _apply_updates(self, pending: list[tuple]) -> None:
