@@ -155,3 +155,41 @@ def test_deepseek_v3_expert_parallel_follows_ep1(tmp_path_factory):
     assert re.search(r"dedicate_params: .* Z3", ep1.output)
     assert re.search(r"dedicate_params: .* Z2", ep2.output)
     assert "local experts dedicated over 1 x 1 ranks (replicate x efsdp)" in ep2.output
+
+
+PP2 = [
+    "--parallelism.pipeline_parallel_degree", "2",
+    "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_llama4_pipeline_with_expert_parallel_follows_no_pipeline(tmp_path_factory, tmp_path):
+    """PP 2 (Interleaved1F1B: 4 stages, as TorchTitan's MoE pipeline cases) x FSDP 2 with
+    EP 2 (4 ranks) follows FSDP 2 without PP within rtol 1e-4 over 6 steps; with TP 2 and
+    expert TP 1 or 2 (8 ranks) it follows the same layout without PP (FSDP 2 x TP 2 x EP 2)
+    within 1e-4. Each stage dedicates its own experts over its efsdp ranks. The PP x EP
+    step-3 checkpoint resumes without PP or EP (FSDP 2) and continues within 1e-4."""
+    fsdp, _, etp1, etp2 = _fsdp2_and_tensor_parallel(tmp_path_factory)
+    common = from_seed(tmp_path_factory, LLAMA4, len(STEPS))
+    # The last stage logs the loss: on the second half of the ranks (pp is outermost).
+    pp_ep = shared_run([*common, *PP2, *ep(2)], 4, tmp_path_factory, LLAMA4, log_rank=2)
+    pp_etp = [
+        shared_run([*common, *PP2, *ep(2, *layout)], 8, tmp_path_factory, LLAMA4, log_rank=4)
+        for layout in (TP2, ETP2)
+    ]
+    for run in (pp_ep, *pp_etp):
+        assert run.returncode == 0, run.output[-4000:]
+        assert re.search(r"dedicate_params: .* Z2", run.output), run.output[-3000:]
+    assert _losses(pp_ep, STEPS) == pytest.approx(_losses(fsdp, STEPS), rel=1e-4)
+    for run, reference in zip(pp_etp, (etp1, etp2), strict=True):
+        assert _losses(run, STEPS) == pytest.approx(_losses(reference, STEPS), rel=1e-4)
+    resumed = run_train(
+        [*resume_from(pp_ep.dump / "checkpoint" / f"step-{SAVED_AT}", common), *ep(1)],
+        2,
+        tmp_path / "resumed",
+        LLAMA4,
+    )
+    assert resumed.returncode == 0, resumed.output[-4000:]
+    assert sorted(resumed.losses) == list(AFTER_SAVE)
+    assert _losses(resumed, AFTER_SAVE) == pytest.approx(_losses(fsdp, AFTER_SAVE), rel=1e-4)

@@ -75,3 +75,35 @@ def test_fsdp_tp_equals_fsdp_and_checkpoint_crosses_tp(tmp_path, tmp_path_factor
     assert [resumed.losses[s] for s in later] == pytest.approx(
         [tp.losses[s] for s in later], rel=1e-4
     )
+
+
+@pytest.mark.slow
+def test_hsdp_tp_equals_fsdp_and_checkpoint_crosses(tmp_path, tmp_path_factory):
+    """HSDP 2 x 2 x TP 2 (8 ranks: each replica's owner columns run the tensor-parallel
+    Newton-Schulz, the primaries' values reach the other replica asynchronously) equals
+    FSDP 4 (4 ranks, the same data) within 1e-4 over 6 steps from the seed; its step-3
+    checkpoint resumes under HSDP 2 x 2 without TP and continues within 1e-4."""
+    common = from_seed(tmp_path_factory)
+    hsdp = [
+        "--parallelism.data_parallel_replicate_degree", "2", *DP2, "--dmuon.replicate_async",
+    ]  # fmt: skip
+    hsdp_tp = run_train([*common, *hsdp, *TP2], 8, tmp_path / "hsdp_tp", CONFIG)
+    fsdp4 = run_train(
+        [*common, "--parallelism.data_parallel_shard_degree", "4"], 4, tmp_path / "fsdp4", CONFIG
+    )
+    resumed = run_train(
+        [*resume_from(tmp_path / "hsdp_tp" / "checkpoint" / f"step-{SAVED_AT}", common), *hsdp],
+        4,
+        tmp_path / "resumed",
+        CONFIG,
+    )
+    for run in (hsdp_tp, fsdp4, resumed):
+        assert run.returncode == 0, run.output[-3000:]
+    steps, later = list(SEED_STEPS), list(AFTER_SAVE)
+    assert sorted(hsdp_tp.losses) == steps and sorted(resumed.losses) == later
+    expected = [fsdp4.losses[s] for s in steps]
+    assert [hsdp_tp.losses[s] for s in steps] == pytest.approx(expected, rel=1e-4)
+    assert [resumed.losses[s] for s in later] == pytest.approx(
+        [hsdp_tp.losses[s] for s in later], rel=1e-4
+    )
+    assert "tensor-parallel Newton-Schulz of (768, 256)" in hsdp_tp.output

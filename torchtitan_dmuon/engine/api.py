@@ -108,7 +108,7 @@ def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -
     """
     dedication = get_dedication(model)
     if dedication is not None:
-        dedication.requires_gradient_sync = requires_gradient_sync
+        dedication.set_requires_gradient_sync(requires_gradient_sync)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_requires_gradient_sync(requires_gradient_sync, recurse=False)

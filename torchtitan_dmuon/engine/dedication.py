@@ -86,11 +86,8 @@ class Dedication:
         self.stats = comm.CommStats()
         expert_mesh = expert_mesh if plan.expert_parallel else None
         self.exchange = Exchange(mesh, replicate_mesh, tp_mesh, expert_mesh, self.stats)
-        # Where this rank sits: its column and its replica.
-        self.shard_rank, self.shard_size = (
-            self.exchange.domains[0].rank,
-            self.exchange.domains[0].size,
-        )
+        dense = self.exchange.domains[0]  # where this rank sits: its column, its replica
+        self.shard_rank, self.shard_size = dense.rank, dense.size
         self.replicate_rank = replicate_mesh.get_local_rank() if replicate_mesh is not None else 0
         self.replicate_size = replicate_mesh.size() if replicate_mesh is not None else 1
         self.boundary_units: list[list[Unit]] = [
@@ -98,17 +95,13 @@ class Dedication:
         ]
         self.units: list[Unit] = [u for units in self.boundary_units for u in units]
         self.others: OtherParams | None = None
-        self.requires_gradient_sync = True
-        self.reshard_after_backward = True
-        self.pipeline_stage: int | None = None
+        self.set_pipeline_stage(None)
         self.synced_backwards = 0
         self.slot_ranks: list[int] | None = None
         self.expert_owner_ranks: dict[tuple[int, int, int], int] | None = None
         self.initialized = False
         self._on_remove: list = []
-        for d in plan.params:
-            module_name, _, param_name = d.name.rpartition(".")
-            patches.mark_dedicated(model.get_submodule(module_name), param_name)
+        patches.mark_dedicated(model, [d.name for d in plan.params])
         self.driver = HookDriver(self, plan.boundaries)
         self.driver.register(model)
         self.bind_params()
@@ -126,6 +119,16 @@ class Dedication:
             raise ValueError("replicate_async=True needs dedicate_params(..., replicate_mesh=...)")
         self.wait_replicas()
         self.settings = dataclasses.replace(self.settings, replicate_async=enabled)
+
+    def set_requires_gradient_sync(self, enabled: bool) -> None:
+        """Reduce the gradients at the end of each backward, or let them accumulate."""
+        self.requires_gradient_sync = enabled
+
+    def set_pipeline_stage(self, stage_index: int | None) -> None:
+        """Driven by pipeline stage ``stage_index`` (None: by each backward), which reduces
+        after its last backward of the step and keeps the values over its micro-batches."""
+        self.pipeline_stage: int | None = stage_index
+        self.requires_gradient_sync = self.reshard_after_backward = stage_index is None
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -184,18 +187,16 @@ class Dedication:
         (it is the primary owner): the optimizer updates ``master`` (the parameter itself,
         or its full-precision copy under mixed precision) and keys its state by ``param``.
         One host sync: which matrices any rank touched since ``zero_grad``."""
-        held = [(u, u.grads_held()) for u in self.units if u.primary]
-        held = [(u, flags) for u, flags in held if flags is not None]
+        held = [u for u in self.units if u.primary and u.grads_held() is not None]
         if not held:
             return []
-        flags = torch.cat([f for _, f in held]).tolist()
-        out, i = [], 0
-        for unit, _ in held:
-            for d in unit.params:
-                if flags[i]:
-                    out.append((d.param, unit.master_view(d), unit.grad_view(d)))
-                i += 1
-        return out
+        flags = iter(torch.cat([u.grads_held() for u in held]).tolist())  # one per entry
+        return [
+            (d.param, u.master_view(d), u.grad_view(d))
+            for u in held
+            for d in u.params
+            if next(flags)
+        ]
 
     def primary_params(self) -> list[tuple[DedicatedParam, torch.Tensor]]:
         """``(entry, master)`` of every matrix and piece this rank is the primary owner
@@ -294,7 +295,6 @@ class Dedication:
             self._on_remove.pop()()
         self.driver.remove()
         _DEDICATIONS.pop(self.model, None)
-        for module in self.model.modules():
-            patches.unmark_dedicated(module)
+        patches.unmark_dedicated(self.model)
         for group in self.exchange.process_groups():
             dist.destroy_process_group(group)

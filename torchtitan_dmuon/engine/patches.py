@@ -25,14 +25,19 @@ __all__ = ["install", "is_installed", "mark_dedicated", "dedicated_names", "unma
 _MARK = "_dmuon_dedicated_params"
 
 
-def mark_dedicated(module: nn.Module, param_name: str) -> None:
-    """Mark ``module``'s own parameter ``param_name`` as owned by the ownership engine."""
-    names = module.__dict__.setdefault(_MARK, set())
-    names.add(param_name)
+def mark_dedicated(model: nn.Module, names: list[str]) -> None:
+    """Mark the parameters ``names`` of ``model`` as owned by the ownership engine (on
+    their modules, by name: ``to_empty`` and ``swap_tensors`` keep the mark)."""
+    for name in names:
+        module_name, _, param_name = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        module.__dict__.setdefault(_MARK, set()).add(param_name)
 
 
-def unmark_dedicated(module: nn.Module) -> None:
-    module.__dict__.pop(_MARK, None)
+def unmark_dedicated(model: nn.Module) -> None:
+    """Drop every mark in ``model``."""
+    for module in model.modules():
+        module.__dict__.pop(_MARK, None)
 
 
 def dedicated_names(module: nn.Module) -> frozenset[str]:

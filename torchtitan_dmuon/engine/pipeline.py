@@ -45,12 +45,10 @@ def attach_pipeline_stage(stage: _PipelineStageBase) -> None:
         )
     if dedication.pipeline_stage is not None:
         raise RuntimeError(f"pipeline stage {stage.stage_index} is already attached to DMuon")
-    dedication.pipeline_stage = stage.stage_index
     backward = stage.backward_maybe_with_nosync
     scale_grads = stage.scale_grads
     # The stage decides when gradients are reduced, not the end of each backward.
-    dedication.requires_gradient_sync = False
-    dedication.reshard_after_backward = False
+    dedication.set_pipeline_stage(stage.stage_index)
 
     def backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=False):
         result = backward(backward_type, bwd_kwargs, last_backward=last_backward)
@@ -72,8 +70,6 @@ def attach_pipeline_stage(stage: _PipelineStageBase) -> None:
     def detach() -> None:
         # The instance attributes shadow the class's methods: deleting them restores those.
         del stage.backward_maybe_with_nosync, stage.scale_grads
-        dedication.pipeline_stage = None
-        dedication.requires_gradient_sync = True
-        dedication.reshard_after_backward = True
+        dedication.set_pipeline_stage(None)
 
     dedication.on_remove(detach)
