@@ -11,7 +11,8 @@ several commands (save, then resume) runs them in order into one dump folder. Th
 ``balance_*`` rows are not TorchTitan's: each MoE model at EP 2 x FSDP 2 on 4 ranks, for
 the Newton-Schulz and held-bytes balance of DMuon's startup line.
 
-Prints a table and writes ``results.json``, ``table.md`` and ``final_loss.png``.
+Prints a table and writes ``results.json``, ``table.md`` and ``final_loss.png`` into
+``--out``; each run's folder (with its ``output.log``) goes under ``--dumps``.
 """
 
 from __future__ import annotations
@@ -145,12 +146,13 @@ def _reason(output: str) -> str:
         for line in output.splitlines()
         if re.search(r"\b\w*(Error|Exception)\b:", line) and "Traceback" not in line
     ]
-    return (errors[-1] if errors else output.strip().splitlines()[-1])[-300:]
+    return (errors[-1] if errors else output.strip().splitlines()[-1])[:300]
 
 
 def run_case(case: Case, optimizer: str, dump: Path, timeout: int) -> dict:
     env = dict(os.environ, NGPU=str(case.ngpu), LOG_RANK=",".join(map(str, range(case.ngpu))))
     shutil.rmtree(dump, ignore_errors=True)  # a stale checkpoint would be resumed
+    dump.mkdir(parents=True)
     started, output, rc = time.monotonic(), "", 0
     for overrides in case.commands:
         cmd = ["./run_train.sh", "--job.dump_folder", str(dump), *SHORT]
@@ -187,7 +189,7 @@ def run_case(case: Case, optimizer: str, dump: Path, timeout: int) -> dict:
         row["ns_balance"], row["held_balance"] = map(float, found.groups())
         if experts := EXPERT_BALANCE.search(output):
             row["ns_balance_experts"], row["ns_balance_dense"], _ = map(float, experts.groups())
-    (dump.parent / f"{dump.name}.log").write_text(output)
+    (dump / "output.log").write_text(output)
     return row
 
 
@@ -241,6 +243,9 @@ def main() -> None:
     parser.add_argument("--optimizers", nargs="+", choices=list(OPTIMIZERS), default=None)
     parser.add_argument("--timeout", type=int, default=1500, help="seconds per command")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/titan_cases"))
+    parser.add_argument(
+        "--dumps", type=Path, default=Path("outputs/titan_cases"), help="runs' folders and logs"
+    )
     args = parser.parse_args()
     cases = [c for c in CASES if args.cases is None or c.name in args.cases]
     args.out.mkdir(parents=True, exist_ok=True)
@@ -256,9 +261,8 @@ def main() -> None:
     print(f"machine: {machine}")
     for case in cases:
         for optimizer in args.optimizers or (["dmuon"] if case.suite == "balance" else OPTIMIZERS):
-            row = run_case(
-                case, optimizer, args.out / "runs" / f"{case.name}-{optimizer}", args.timeout
-            )
+            dump = (args.dumps / f"{case.name}-{optimizer}").resolve()
+            row = run_case(case, optimizer, dump, args.timeout)
             rows = [r for r in rows if (r["case"], r["optimizer"]) != (case.name, optimizer)]
             rows.append(row)
             print(

@@ -2,19 +2,22 @@
 
 Layers, one file each (none imports TorchTitan):
 
-* ``selection.py``: which parameters Muon takes; ``layouts.py``: the meshes and the
-  tensor- and expert-parallel layouts it accepts;
-* ``partition.py``, ``plan.py``: owners, boundaries and units (pure, no collectives);
+* ``selection.py``: which parameters Muon takes and the default hook boundaries;
+  ``layouts.py``: the meshes and the tensor- and expert-parallel layouts it accepts;
+* ``param_layout.py``: each dedicated matrix's frozen ``ParamLayout`` (the only reader
+  of DTensor placements);
+* ``partition.py``, ``planner.py``, ``plan.py``: owners, boundaries and units (pure);
 * ``unit.py``: a unit's flat buffer, its gradients and reduce buckets;
-* ``hooks.py``: the forward/backward hooks and the per-pass state;
-* ``replicas.py``: HSDP's second stage; ``others.py``: DDP-style sync of the rest;
+* ``hooks.py``, ``pass_state.py``: the forward/backward hooks and the per-pass state;
+* ``exchange.py``: the engine's process groups and the collectives over them;
+  ``replicas.py``: HSDP's second stage; ``others.py``: DDP-style sync of the rest;
 * ``tensor_parallel.py``: the Newton-Schulz an owner column's TP ranks run together;
-* ``comm.py``: the collectives and groups, on the engine's own process groups, counted;
+* ``comm.py``: the collectives, counted;
 * ``verification.py``: the cross-rank verdicts (what each rank dedicates, the plan);
   ``agreement.py``: the per-device choices every rank shares (``auto`` NS dtype, backends);
 * ``dedication.py``: the runtime that composes them; ``api.py``: ``dedicate_params``;
-* ``geometry.py``: checkpoint geometry and the balance report;
-* ``recovery.py``: FSDP2's part of recovering from a failed pass;
+* ``geometry.py``: checkpoint geometry, the NS workload and the balance report;
+* ``fsdp_state.py``: what the engine reads from and resets in FSDP2's state;
 * ``settings.py``: one frozen settings object per dedication; ``patches.py``: the FSDP2
   patch;
 * ``grad_norm.py``: gradient clipping over dedicated and FSDP parameters;
