@@ -150,7 +150,15 @@ def _reason(output: str) -> str:
 
 
 def run_case(case: Case, optimizer: str, dump: Path, timeout: int) -> dict:
-    env = dict(os.environ, NGPU=str(case.ngpu), LOG_RANK=",".join(map(str, range(case.ngpu))))
+    # An Inductor cache of its own per run: a cached graph names the process groups it was
+    # compiled with but its key does not, so an AdamW run loaded the DMuon run's graph
+    # (which has the engine's groups too) and failed ("Could not resolve the process group").
+    env = dict(
+        os.environ,
+        NGPU=str(case.ngpu),
+        LOG_RANK=",".join(map(str, range(case.ngpu))),
+        TORCHINDUCTOR_CACHE_DIR=str(dump / "inductor_cache"),
+    )
     shutil.rmtree(dump, ignore_errors=True)  # a stale checkpoint would be resumed
     dump.mkdir(parents=True)
     started, output, rc = time.monotonic(), "", 0
