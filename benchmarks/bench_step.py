@@ -333,7 +333,7 @@ def _ns_flops_per_step(mode: str, model, opt) -> int | None:
     dedication = dmuon.get_dedication(model)
     if dedication is None:
         return None
-    return sum(ns_flops(p.shape, 5) for p, _ in dedication.primary_params())
+    return sum(ns_flops(d.layout.shape, 5) for d, _ in dedication.primary_params())
 
 
 def _median_of_max(per_rank: list[list[float]]) -> tuple[float, float, float]:
