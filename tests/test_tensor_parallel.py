@@ -124,14 +124,9 @@ def _layout_error(mesh) -> str:
     return ""
 
 
-@pytest.mark.parametrize("ns_backend", ["gram", "torch"])
-def test_tensor_parallel_matches_one_process(ns_backend):
-    """The Gram path for ns_backend "gram" (the all-reduced Grams only), the gathered
-    matrix for "torch" (which has no sharded form); both equal one process. The "gram" run
-    also survives a backward that raises half-way before step 1 (caught, ``zero_grad``,
-    nothing else): it leaves nothing behind."""
-    fail_before_step = 1 if ns_backend == "gram" else None
-    by_rank = run_distributed(tp_worker, DP * TP, ns_backend, fail_before_step, timeout=240)
+def _assert_equals_one_process(by_rank) -> None:
+    """Losses (rtol 1e-5) and every rank's full matrices (1e-4) equal one-process
+    torch.optim.Muon + AdamW on the whole batch."""
     with reference_setup(torch.float32):
         model = _model()
         expected = train_one_process(
@@ -143,6 +138,17 @@ def test_tensor_parallel_matches_one_process(ns_backend):
     for r in by_rank:
         for name, value in r["params"].items():
             torch.testing.assert_close(value, reference[name].detach(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("ns_backend", ["gram", "torch"])
+def test_tensor_parallel_matches_one_process(ns_backend):
+    """The Gram path for ns_backend "gram" (the all-reduced Grams only), the gathered
+    matrix for "torch" (which has no sharded form); both equal one process. The "gram" run
+    also survives a backward that raises half-way before step 1 (caught, ``zero_grad``,
+    nothing else): it leaves nothing behind."""
+    fail_before_step = 1 if ns_backend == "gram" else None
+    by_rank = run_distributed(tp_worker, DP * TP, ns_backend, fail_before_step, timeout=240)
+    _assert_equals_one_process(by_rank)
 
     # 6 matrices (3 blocks x up/down), each owned by one dp column: both of its TP ranks
     # step their shards, so over the 4 ranks every matrix is counted twice per step.
@@ -176,14 +182,4 @@ def test_step_failure_before_tensor_parallel_collectives():
         assert "rank(s) [1] before any state changed" in r["message"]
         assert ("injected Newton-Schulz failure" in r["message"]) == (rank == 1)
         assert r["unchanged"] and r["tensors"] > 0
-    with reference_setup(torch.float32):
-        model = _model()
-        expected = train_one_process(
-            model, STEPS, lambda m, step: loss_fn(m, *batch(100 + step, SAMPLES, SEQ, VOCAB))
-        )
-    losses = [sum(step) / DP for step in zip(*(r["losses"] for r in by_rank[::TP]), strict=True)]
-    torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6)
-    reference = dict(model.named_parameters())
-    for r in by_rank:
-        for name, value in r["params"].items():
-            torch.testing.assert_close(value, reference[name].detach(), rtol=1e-4, atol=1e-5)
+    _assert_equals_one_process(by_rank)

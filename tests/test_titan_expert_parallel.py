@@ -39,10 +39,17 @@ def ep(degree: int, *more: str) -> list[str]:
     return ["--parallelism.expert_parallel_degree", str(degree), *more]
 
 
-def _ep_runs(factory: pytest.TempPathFactory, config: str, *layouts: list[str], ngpu: int = 4):
-    """``STEPS`` from the config's seed checkpoint on ``ngpu`` ranks, per layout (shared)."""
+def _ep_runs(
+    factory: pytest.TempPathFactory,
+    config: str,
+    *layouts: list[str],
+    ngpu: int = 4,
+    log_rank: int = 0,
+):
+    """``STEPS`` from the config's seed checkpoint on ``ngpu`` ranks, per layout (shared);
+    ``log_rank`` logs the loss (under PP: a rank of the last stage)."""
     common = from_seed(factory, config, len(STEPS))
-    runs = [shared_run([*common, *layout], ngpu, factory, config) for layout in layouts]
+    runs = [shared_run([*common, *layout], ngpu, factory, config, log_rank) for layout in layouts]
     for run in runs:
         assert run.returncode == 0, run.output[-4000:]
     return runs
@@ -173,13 +180,11 @@ def test_llama4_pipeline_with_expert_parallel_follows_no_pipeline(tmp_path_facto
     fsdp, _, etp1, etp2 = _fsdp2_and_tensor_parallel(tmp_path_factory)
     common = from_seed(tmp_path_factory, LLAMA4, len(STEPS))
     # The last stage logs the loss: on the second half of the ranks (pp is outermost).
-    pp_ep = shared_run([*common, *PP2, *ep(2)], 4, tmp_path_factory, LLAMA4, log_rank=2)
-    pp_etp = [
-        shared_run([*common, *PP2, *ep(2, *layout)], 8, tmp_path_factory, LLAMA4, log_rank=4)
-        for layout in (TP2, ETP2)
-    ]
+    (pp_ep,) = _ep_runs(tmp_path_factory, LLAMA4, [*PP2, *ep(2)], log_rank=2)
+    pp_etp = _ep_runs(
+        tmp_path_factory, LLAMA4, [*PP2, *ep(2, *TP2)], [*PP2, *ep(2, *ETP2)], ngpu=8, log_rank=4
+    )
     for run in (pp_ep, *pp_etp):
-        assert run.returncode == 0, run.output[-4000:]
         assert "dedicate_params: " in run.output
     assert _losses(pp_ep, STEPS) == pytest.approx(_losses(fsdp, STEPS), rel=1e-4)
     for run, reference in zip(pp_etp, (etp1, etp2), strict=True):

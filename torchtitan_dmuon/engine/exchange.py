@@ -42,15 +42,17 @@ class Exchange:
         stats: CommStats,
     ) -> None:
         self.stats = stats
+        # Created in one order on every rank (dense shard and reduce, replicate, the
+        # experts', TP), as engine_group's local synchronization needs.
         self.domains = [ShardGroups(mesh, "")]
-        if expert_mesh is not None:
-            self.domains.append(ShardGroups(expert_mesh, "expert_"))
         self.replicas: Replicas | None = None
         if replicate_mesh is not None:
             group = comm.engine_group(replicate_mesh.get_group(), "dmuon_replicate")
             self.replicas = Replicas(
                 group, replicate_mesh.get_local_rank(), replicate_mesh.size(), stats
             )
+        if expert_mesh is not None:
+            self.domains.append(ShardGroups(expert_mesh, "expert_"))
         self.tp_group: dist.ProcessGroup | None = None
         self.tensor_parallel: TensorParallelNS | None = None
         if tp_mesh is not None:
