@@ -14,11 +14,13 @@ FSDP2 + AdamW runs with the fused kernel (``adamw_fused``: TorchTitan's default
 ``[optimizer] implementation``, what DMuon's AdamW part uses, and the baseline of every
 ratio and goal) and with torch's default kernels (``adamw``: a for-loop on CPU). DMuon runs
 with the reference Newton-Schulz (``dmuon_z3``, ``dmuon_z2``: ``ns_backend = "torch"``) and
-with the measured choice (``*_auto``: ``ns_backend = "auto"``), in ``ns_dtype = "auto"``
-unless ``--ns-dtype`` names one. For every DMuon mode a few more steps run under
-``torch.profiler`` and the engine's and optimizer's ranges give a per-rank breakdown of the
-optimizer step (gradients unpacked, momentum, Newton-Schulz, update, AdamW, values out after
-the step) and of the end-of-backward wait for the reduces, in milliseconds per step. A DMuon
+with the measured choice (``*_auto``: ``ns_backend = "auto"``), and as NorMuon
+(``dmuon_z3_normuon``: ``variant = "normuon"``, its normalization the ``normuon`` phase), in
+``ns_dtype = "auto"`` unless ``--ns-dtype`` names one. For every DMuon mode a few more
+steps run under ``torch.profiler`` and the engine's and optimizer's ranges give a per-rank
+breakdown of the optimizer step (gradients unpacked, momentum, Newton-Schulz, NorMuon's
+normalization, update, AdamW, values out after the step) and of the
+end-of-backward wait for the reduces, in milliseconds per step. A DMuon
 mode's floor is the fused-AdamW step plus the busiest rank's Newton-Schulz as the mode runs
 it (batched, with its backend: the profiled range), the one thing DMuon adds that no overlap
 can hide on one device; its goals are the gap above that floor. It prints two tables and
@@ -67,6 +69,7 @@ BASE_MODES = [
     "dmuon_z2",
     "dmuon_z3_auto",
     "dmuon_z2_auto",
+    "dmuon_z3_normuon",
 ]
 HSDP_MODES = ["hsdp_sync", "hsdp_async"]
 MUON_LR, ADAMW_LR, MOMENTUM = 0.02, 3e-3, 0.95
@@ -78,6 +81,7 @@ PHASES = (
     ("unpack", "dmuon::owned_grads"),
     ("momentum", "muon::momentum"),
     ("newton_schulz", "muon::newton_schulz"),
+    ("normuon", "muon::normuon"),
     ("update", "muon::update"),
     ("adamw", "Optimizer.step#AdamW.step"),
     ("after step", "dmuon::after_step"),
@@ -145,6 +149,7 @@ def _build(mode: str, args, world: int, device: torch.device):
             ns_backend="auto" if mode.endswith("_auto") else "torch",
             adamw_lr=ADAMW_LR,
             replicate_async=mode == "hsdp_async",
+            variant="normuon" if mode.endswith("_normuon") else "muon",
         )
     return model, opt
 
@@ -456,6 +461,15 @@ def goals(summary: dict, skipped: dict[str, str]) -> list[tuple[str, bool | None
                     f"({row['ratio_to_adamw_fused']:.3f}x fused AdamW)",
                 )
             )
+    if "dmuon_z3_normuon" in rows:
+        normuon = rows["dmuon_z3_normuon"]
+        out.append(
+            (
+                "NorMuon step <= 1.05x DMuon Z3's (its normalization, same ownership)",
+                normuon["step_ms"] <= 1.05 * z3["step_ms"],
+                f"{normuon['step_ms'] / z3['step_ms']:.3f}x",
+            )
+        )
     for peer in PEERS:
         if peer in rows:
             out.append(

@@ -16,7 +16,7 @@ def test_bench_step_counts(tmp_path):
         sys.executable, "benchmarks/bench_step.py", "--nproc", "2", "--dim", "64",
         "--layers", "2", "--heads", "4", "--vocab", "256", "--seq", "16", "--rounds", "1",
         "--steps-per-round", "1", "--out", str(tmp_path),
-        "--modes", "adamw_fused", "naive_muon", "dmuon_z3", "dmuon_z2",
+        "--modes", "adamw_fused", "naive_muon", "dmuon_z3", "dmuon_z2", "dmuon_z3_normuon",
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -47,6 +47,12 @@ def test_bench_step_counts(tmp_path):
         assert ns > 0
         assert rows[mode]["floor_ms"] == rows["adamw_fused"]["step_ms"] + ns
         assert rows[mode]["ratio_to_floor"] == rows[mode]["step_ms"] / rows[mode]["floor_ms"]
+    # NorMuon: the same ownership and bytes, its normalization profiled on every owner.
+    normuon = rows["dmuon_z3_normuon"]
+    assert normuon["total_bytes_per_rank"] == rows["dmuon_z3"]["total_bytes_per_rank"]
+    assert all(r["normuon"] > 0 for r in normuon["step_breakdown"]["per_rank_ms"])
+    assert all(r["normuon"] == 0 for r in rows["dmuon_z3"]["step_breakdown"]["per_rank_ms"])
+    assert normuon["final_loss"] != rows["dmuon_z3"]["final_loss"]
     assert rows["adamw_fused"]["ratio_to_adamw_fused"] == 1.0
     assert result["ns_dtype"] in ("float32", "bfloat16")
     assert torch.backends.cpu.get_cpu_capability() in result["machine"]

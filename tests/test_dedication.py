@@ -156,11 +156,15 @@ EXPERTS = dict(
 )
 
 
-def _per_expert_reference() -> dict:
-    """One-process torch.optim.Muon + AdamW on the ExpertBlock model with one 2-D
-    parameter per expert, its experts stacked back under the stack's name."""
+def _per_expert_reference(variant: str = "muon") -> dict:
+    """One-process torch.optim.Muon (or NorMuon) + AdamW on the ExpertBlock model with one
+    2-D parameter per expert, its experts stacked back under the stack's name."""
     reference = train_reference(
-        4, steps=6, ns_dtype=torch.float32, model_kwargs=dict(block=SplitExpertBlock)
+        4,
+        steps=6,
+        ns_dtype=torch.float32,
+        model_kwargs=dict(block=SplitExpertBlock),
+        variant=variant,
     )
     params = reference["params"]
     for layer in range(2):

@@ -1,6 +1,7 @@
 """Checkpoints of split expert stacks: saved through DCP on 4 ranks (pieces of 2, 2, 1, 1
-experts), loaded on 2 ranks (pieces of 3 and 3): every expert's value and momentum
-arrive where the new owners expect them."""
+experts), loaded on 2 ranks (pieces of 3 and 3): every expert's value, momentum and
+NorMuon second moment (one value per row) arrive where the new owners expect them, and
+so do the whole matrices' second moments."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from tests.dist import run_distributed
 from tests.models import ExpertBlock, loss_fn, make_model, proj_or_experts_predicate
 from tests.workers import ADAMW_KW, MUON_KW, as_muon_adamw_kwargs, data_for
 from torchtitan_dmuon import Muon, dedicate_params, get_full_param
+from torchtitan_dmuon.optim.normuon import second_moment_shape
 from torchtitan_dmuon.titan.checkpoint import DMuonModelWrapper, as_saved
 
 STACKS = [f"layers.{i}.experts_proj" for i in range(2)]
@@ -26,28 +28,53 @@ def _model_and_optimizer(world: int, seed: int):
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = Muon(model, **MUON_KW, **as_muon_adamw_kwargs(ADAMW_KW), ns_dtype=torch.float32)
+    opt = Muon(
+        model,
+        **MUON_KW,
+        **as_muon_adamw_kwargs(ADAMW_KW),
+        ns_dtype=torch.float32,
+        variant="normuon",
+    )
     return model, dedication, opt
 
 
-def _momentum_state(dedication, opt) -> dict:
-    """Each owned piece's momentum as the checkpoint holds it, with the local tensor."""
+def _optimizer_state(dedication, opt) -> dict:
+    """Each owned matrix's and piece's momentum and second moment as the checkpoint holds
+    them, with the local tensors."""
     out = {}
     for entry, master in dedication.primary_params():
-        if not entry.layout.is_piece:
-            continue
         state = opt.state[entry.param]
         state.setdefault("momentum_buffer", torch.zeros_like(master))
-        out[f"momentum.{entry.name}"] = as_saved(dedication, entry, state["momentum_buffer"])
+        state.setdefault("second_moment", master.new_zeros(second_moment_shape(master.shape)))
+        for key in ("momentum_buffer", "second_moment"):
+            out[f"{key}.{entry.name}"] = as_saved(
+                dedication, entry, state[key], per_row=key == "second_moment"
+            )
     return out
 
 
-def _pieces(dedication, opt) -> dict:
+def _pieces(dedication, opt, key="momentum_buffer") -> dict:
     return {
-        (entry.name, entry.layout.experts): opt.state[entry.param]["momentum_buffer"].clone()
+        (entry.name, entry.layout.experts): opt.state[entry.param][key].clone()
         for entry, _ in dedication.primary_params()
         if entry.layout.is_piece
     }
+
+
+def _whole_moments(dedication, opt) -> dict:
+    return {
+        entry.name: opt.state[entry.param]["second_moment"].clone()
+        for entry, _ in dedication.primary_params()
+        if not entry.layout.is_piece
+    }
+
+
+def _states(dedication, opt) -> dict:
+    return dict(
+        momentum=_pieces(dedication, opt),
+        moments=_pieces(dedication, opt, "second_moment"),
+        whole_moments=_whole_moments(dedication, opt),
+    )
 
 
 def _save(rank, world, path):
@@ -57,10 +84,10 @@ def _save(rank, world, path):
         loss_fn(model, *data_for(step, rank, world, False)).backward()
         opt.step()
     state = DMuonModelWrapper(model).state_dict()
-    state.update(_momentum_state(dedication, opt))
+    state.update(_optimizer_state(dedication, opt))
     dcp.save(state, checkpoint_id=path)
     values = {name: get_full_param(model, name) for name in STACKS}
-    result = dict(values=values, momentum=_pieces(dedication, opt))
+    result = dict(values=values, **_states(dedication, opt))
     del opt, model
     return result
 
@@ -69,21 +96,21 @@ def _load(rank, world, path):
     model, dedication, opt = _model_and_optimizer(world, seed=1)  # other initial values
     wrapper = DMuonModelWrapper(model)
     state = wrapper.state_dict()
-    state.update(_momentum_state(dedication, opt))
+    state.update(_optimizer_state(dedication, opt))
     dcp.load(state, checkpoint_id=path)
     wrapper.load_state_dict(state)
     model(data_for(0, rank, world, False)[0])  # the first forward binds the loaded values
     values = {name: get_full_param(model, name) for name in STACKS}
-    result = dict(values=values, momentum=_pieces(dedication, opt))
+    result = dict(values=values, **_states(dedication, opt))
     dist.barrier()
     del opt, model
     return result
 
 
-def _assemble(by_rank) -> dict:
+def _assemble(by_rank, key="momentum") -> dict:
     full = {}
     for result in by_rank:
-        for (name, (start, stop)), piece in result["momentum"].items():
+        for (name, (start, stop)), piece in result[key].items():
             full.setdefault(name, {})[start] = (stop, piece)
     out = {}
     for name, pieces in full.items():
@@ -102,14 +129,23 @@ def test_split_stacks_checkpoint_reshards_from_4_to_2_ranks(tmp_path):
     path = str(tmp_path / "checkpoint")
     saved = run_distributed(_save, 4, path)
     loaded = run_distributed(_load, 2, path)
-    saved_momentum = _assemble(saved)
-    loaded_momentum = _assemble(loaded)
     assert sorted(len(r["momentum"]) for r in saved) == [2, 2, 2, 2]  # one piece a stack
     assert sorted(len(r["momentum"]) for r in loaded) == [2, 2]
+    for key in ("momentum", "moments"):
+        saved_state, loaded_state = _assemble(saved, key), _assemble(loaded, key)
+        for name in STACKS:
+            assert torch.count_nonzero(saved_state[name]) > 0
+            torch.testing.assert_close(loaded_state[name], saved_state[name], rtol=0, atol=0)
+    assert _assemble(saved, "moments")[STACKS[0]].shape == (ExpertBlock.experts, 32, 1)
     for name in STACKS:
-        assert torch.count_nonzero(saved_momentum[name]) > 0
-        torch.testing.assert_close(loaded_momentum[name], saved_momentum[name], rtol=0, atol=0)
         for result in loaded:
             torch.testing.assert_close(
                 result["values"][name], saved[0]["values"][name], rtol=0, atol=0
             )
+    # The whole matrices' second moments, each saved by its owner, loaded by the new one.
+    saved_whole = {k: v for r in saved for k, v in r["whole_moments"].items()}
+    loaded_whole = {k: v for r in loaded for k, v in r["whole_moments"].items()}
+    assert sorted(loaded_whole) == sorted(saved_whole) and len(saved_whole) == 12
+    for name, moment in saved_whole.items():
+        assert torch.count_nonzero(moment) > 0
+        torch.testing.assert_close(loaded_whole[name], moment, rtol=0, atol=0)

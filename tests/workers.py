@@ -100,6 +100,7 @@ def train_dmuon(
     fail_before_step=None,
     fail_step_at=None,
     ep=1,
+    variant="muon",
 ):
     """Train the tiny transformer with DMuon; return losses, full params and counters.
 
@@ -116,6 +117,7 @@ def train_dmuon(
     second Newton-Schulz call (then retried), reported as ``"step_failure"``.
     ``ep`` > 1 shards the ExpertBlocks' stacks over an ``ep`` mesh (TorchTitan's sparse
     layout: replicate x efsdp x ep, ep innermost) and dedicates them over ``efsdp``.
+    ``variant``: Muon's (``"normuon"``: NorMuon).
     """
     if hsdp_shape is None:
         mesh = fsdp_mesh = init_device_mesh("cpu", (world,))
@@ -178,6 +180,7 @@ def train_dmuon(
         **as_muon_adamw_kwargs(ADAMW_KW),
         ns_dtype=ns_dtype,
         replicate_async=replicate_async,
+        variant=variant,
     )
     losses, norms, per_step, snapshot, events = [], [], [], None, None
     step_failure = None
@@ -360,6 +363,49 @@ def _engine_events(profiler) -> list[tuple[str, int | None]]:
     return events
 
 
+class NorMuonReference(torch.optim.Optimizer):
+    """One-process NorMuon of 2-D matrices, from its definition (the authors'
+    ``normuon.py``), on torch.optim.Muon's momentum, Newton-Schulz (as
+    :func:`reference_setup` sets it) and learning-rate adjustment: each row of the
+    orthogonalized update divided by the root of an EMA of its mean square, the matrix
+    rescaled to the Frobenius norm it had before."""
+
+    def __init__(self, params, lr, momentum, nesterov, weight_decay, beta2=0.95):
+        defaults = dict(
+            lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, beta2=beta2
+        )
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self):
+        coefficients = (muon_module.DEFAULT_A, muon_module.DEFAULT_B, muon_module.DEFAULT_C)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["momentum_buffer"] = torch.zeros_like(p)
+                    state["second_moment"] = torch.zeros_like(p[:, :1])
+                buf, moment = state["momentum_buffer"], state["second_moment"]
+                buf.lerp_(p.grad, 1 - group["momentum"])
+                update = p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+                o = muon_module._zeropower_via_newtonschulz(
+                    update, coefficients, muon_module.DEFAULT_NS_STEPS, muon_module.EPS
+                )
+                norm = o.norm()
+                moment.lerp_((o * o).mean(dim=1, keepdim=True), 1 - group["beta2"])
+                o = o / (moment.sqrt() + 1e-10)
+                o = o * (norm / (o.norm() + 1e-10))
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.add_(o, alpha=-muon_module._adjust_lr(group["lr"], None, p.shape))
+
+
+def reference_muon(params, variant: str = "muon", **muon_kw) -> torch.optim.Optimizer:
+    """The one-process reference of ``Muon(variant=...)``'s matrices."""
+    return (NorMuonReference if variant == "normuon" else torch.optim.Muon)(params, **muon_kw)
+
+
 @contextlib.contextmanager
 def reference_setup(ns_dtype=torch.bfloat16):
     """How one-process references run: single-threaded like the ranks (same reduction
@@ -390,13 +436,15 @@ def train_one_process(
     predicate=proj_predicate,
     muon_kw=MUON_KW,
     adamw_kw=REFERENCE_ADAMW_KW,
+    variant="muon",
 ) -> list[float]:
-    """One process, in place: torch.optim.Muon (``muon_kw``) on the ``predicate``'s
-    matrices and torch.optim.AdamW (``adamw_kw``) on the rest; ``step_loss(model, step)``
-    gives each step's loss. Run it inside :func:`reference_setup`. Returns the losses."""
+    """One process, in place: torch.optim.Muon (``muon_kw``; NorMuon for ``variant``
+    "normuon") on the ``predicate``'s matrices and torch.optim.AdamW (``adamw_kw``) on the
+    rest; ``step_loss(model, step)`` gives each step's loss. Run it inside
+    :func:`reference_setup`. Returns the losses."""
     muon = [p for n, p in model.named_parameters() if predicate(n, p)]
     rest = [p for n, p in model.named_parameters() if not predicate(n, p)]
-    opts = [torch.optim.Muon(muon, **muon_kw), torch.optim.AdamW(rest, **adamw_kw)]
+    opts = [reference_muon(muon, variant, **muon_kw), torch.optim.AdamW(rest, **adamw_kw)]
     losses = []
     for step in range(steps):
         for o in opts:
@@ -419,15 +467,19 @@ def train_reference(
     clip=None,
     predicate=proj_predicate,
     model_kwargs=None,
+    variant="muon",
 ):
-    """One process: torch.optim.Muon on the dedicated matrices, torch.optim.AdamW on the
-    rest, on the concatenation of every rank's batch."""
+    """One process: torch.optim.Muon (NorMuon for ``variant`` "normuon") on the dedicated
+    matrices, torch.optim.AdamW on the rest, on the concatenation of every rank's batch."""
     with reference_setup(ns_dtype):
         model = make_model(seed=0, **(model_kwargs or {}))
         muon = [p for n, p in model.named_parameters() if predicate(n, p)]
         ids = {id(p) for p in muon}
         rest = [p for p in model.parameters() if id(p) not in ids]
-        opts = [torch.optim.Muon(muon, **MUON_KW), torch.optim.AdamW(rest, **REFERENCE_ADAMW_KW)]
+        opts = [
+            reference_muon(muon, variant, **MUON_KW),
+            torch.optim.AdamW(rest, **REFERENCE_ADAMW_KW),
+        ]
         losses, norms = [], []
         for step in range(steps):
             for o in opts:

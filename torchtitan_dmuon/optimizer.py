@@ -14,6 +14,7 @@ see one ordinary optimizer.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 
@@ -35,6 +36,7 @@ from torchtitan_dmuon.engine.geometry import ns_workload
 from torchtitan_dmuon.engine.selection import select_matrices
 from torchtitan_dmuon.optim.muon import ADJUST_LR_FNS, apply_muon_update, muon_update
 from torchtitan_dmuon.optim.newton_schulz import EPS, matrix_count, resolve_ns_schedule
+from torchtitan_dmuon.optim.normuon import normuon_normalize, second_moment_shape
 from torchtitan_dmuon.optim.ns_backends import bind_ns, check_ns_backend
 from torchtitan_dmuon.optim.ns_dtype import NSDtypeVerdict, parse_ns_dtype
 
@@ -43,6 +45,12 @@ __all__ = ["Muon", "MuonStepError"]
 logger = logging.getLogger(__name__)
 
 Predicate = Callable[[str, nn.Parameter], bool]
+
+VARIANTS = ("muon", "normuon")
+"""Accepted values of ``variant``."""
+
+SECOND_MOMENT = "second_moment"
+"""NorMuon's state key: one EMA of the mean square per row of each matrix."""
 
 
 def _check_range(name: str, value: float, low: float, high: float | None = None) -> None:
@@ -80,6 +88,11 @@ class Muon(torch.optim.Optimizer):
             path runs for ``"gram"`` and ``"auto"`` (where it moves fewer bytes); other
             backends orthogonalize the gathered matrix.
         adjust_lr_fn: ``None``/``"original"``, ``"match_rms_adamw"`` or ``"spectral"``.
+        variant: ``"muon"``, or ``"normuon"``: each orthogonalized update normalized per
+            row by an EMA of its rows' mean squares, then rescaled to its own Frobenius
+            norm (NorMuon, see ``optim.normuon``); the owner keeps the second moment
+            (state ``"second_moment"``, one value per row) beside the momentum.
+        normuon_beta2: NorMuon's second-moment EMA factor, in ``[0, 1)``.
         eps: Floor of the Newton-Schulz normalizing norm.
         adamw_lr: AdamW learning rate for the non-Muon parameters.
         adamw_betas: AdamW betas.
@@ -112,6 +125,8 @@ class Muon(torch.optim.Optimizer):
         ns_dtype: torch.dtype | str = "auto",
         ns_backend: str = "torch",
         adjust_lr_fn: str | None = None,
+        variant: str = "muon",
+        normuon_beta2: float = 0.95,
         eps: float = EPS,
         adamw_lr: float = 1e-3,
         adamw_betas: tuple[float, float] = (0.9, 0.95),
@@ -133,6 +148,9 @@ class Muon(torch.optim.Optimizer):
         _check_range("adamw_eps", adamw_eps, 0.0)
         _check_range("adamw_weight_decay", adamw_weight_decay, 0.0)
         _check_range("eps", eps, 0.0)
+        _check_range("normuon_beta2", normuon_beta2, 0.0, 1.0)
+        if variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
         if adjust_lr_fn not in ADJUST_LR_FNS:
             raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
         ns_dtype = parse_ns_dtype(ns_dtype)
@@ -176,6 +194,8 @@ class Muon(torch.optim.Optimizer):
             "ns_steps": ns_steps,
             "ns_coefficients": ns_coefficients,
             "adjust_lr_fn": adjust_lr_fn,
+            "variant": variant,
+            "normuon_beta2": normuon_beta2,
         }
         adamw_group = {
             "params": adamw_params,
@@ -199,6 +219,11 @@ class Muon(torch.optim.Optimizer):
             self.ns_backend_report = self._choose_ns_backends(schedule, muon_params)
         if replicate_async:
             self.dedication.set_replicate_async(True)
+        if variant == "normuon":
+            logger.info(
+                "Muon: NorMuon, each update normalized per row (second-moment beta2 %g)",
+                normuon_beta2,
+            )
 
     def _ns_device(self, muon_params: list[nn.Parameter]) -> torch.device:
         if self.dedication is not None:
@@ -371,10 +396,11 @@ class Muon(torch.optim.Optimizer):
                 b if b is not None else torch.zeros_like(p)
                 for b, p in zip(bufs, params, strict=True)
             ]
-            shapes, group_ns = None, ns
+            shapes, group_ns, tensor_parallel = None, ns, None
             if split is not None:
                 shapes = [key.shape for key in keys]
-                group_ns = self.dedication.exchange.tensor_parallel.sharded_ns(
+                tensor_parallel = self.dedication.exchange.tensor_parallel
+                group_ns = tensor_parallel.sharded_ns(
                     split, ns, schedule, eps=self.eps, dtype=self.ns_dtype, backend=self.ns_backend
                 )
             update = muon_update(
@@ -385,8 +411,29 @@ class Muon(torch.optim.Optimizer):
                 nesterov=group["nesterov"],
                 ns=group_ns,
             )
+            if group["variant"] == "normuon":
+                update = self._normalized(update, keys, params, split, tensor_parallel)
             pending.append((list(params), list(keys), bufs, update, shapes))
         return pending
+
+    def _normalized(self, update, keys, params, split, tensor_parallel):
+        """NorMuon: ``update`` with its orthogonalized matrices normalized per row and the
+        new second moments (a first step's start at zero, joining the state at commit)."""
+        moments = [
+            self.state[key][SECOND_MOMENT]
+            if SECOND_MOMENT in self.state[key]
+            else p.new_zeros(second_moment_shape(p.shape))
+            for key, p in zip(keys, params, strict=True)
+        ]
+        new_moments, normalized = normuon_normalize(
+            update.orthogonal,
+            moments,
+            beta2=self.param_groups[0]["normuon_beta2"],
+            columns=[key.shape[-1] for key in keys],
+            split_dim=split,
+            all_reduce=tensor_parallel.all_reduce if tensor_parallel is not None else None,
+        )
+        return dataclasses.replace(update, orthogonal=normalized, second_moments=new_moments)
 
     def _apply_updates(self, pending: list[tuple]) -> None:
         """The second phase of :meth:`step`: write what :meth:`_compute_updates` computed."""
@@ -394,6 +441,11 @@ class Muon(torch.optim.Optimizer):
         for params, keys, bufs, update, shapes in pending:
             for key, buf in zip(keys, bufs, strict=True):
                 self.state[key]["momentum_buffer"] = buf
+            if update.second_moments is not None:
+                for key, moment in zip(keys, update.second_moments, strict=True):
+                    old = self.state[key].setdefault(SECOND_MOMENT, moment)
+                    if old is not moment:  # in place: DCP loads into the state's tensors
+                        old.copy_(moment)
             apply_muon_update(
                 params,
                 bufs,

@@ -51,6 +51,11 @@ class TensorParallelNS:
         dist.all_gather_into_tensor(out, shard.contiguous(), group=self.group)
         return list(out.chunk(size))
 
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """SUM-all-reduce ``tensor`` in place over the TP ranks (``tp_all_reduce``)."""
+        self.stats.record("tp_all_reduce", tensor)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+
     def sharded_ns(
         self, split_dim: int, ns, schedule, *, eps: float, dtype: torch.dtype, backend: str
     ):
@@ -60,10 +65,6 @@ class TensorParallelNS:
         no sharded form (then ``ns`` on the gathered matrix). Logged once per shape."""
         size = dist.get_world_size(self.group)
         rank = dist.get_rank(self.group)
-
-        def all_reduce(t: torch.Tensor) -> None:
-            self.stats.record("tp_all_reduce", t)
-            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
 
         def orthogonalize(shards: torch.Tensor) -> torch.Tensor:
             full = list(shards.shape)
@@ -89,7 +90,7 @@ class TensorParallelNS:
                 )  # fmt: skip
             if method == "gram":
                 return sharded_newton_schulz(
-                    shards, split_dim, all_reduce, schedule, eps=eps, dtype=dtype
+                    shards, split_dim, self.all_reduce, schedule, eps=eps, dtype=dtype
                 )
             return gathered_newton_schulz(shards, split_dim, rank, self.gather_shards, ns)
 

@@ -1,4 +1,5 @@
-"""Optimizer math: Newton-Schulz, its backends and the functional Muon update.
+"""Optimizer math: Newton-Schulz, its backends, the functional Muon update and NorMuon's
+normalization.
 
 Nothing here imports ``torch.distributed``.
 """
@@ -11,6 +12,7 @@ from torchtitan_dmuon.optim.newton_schulz import (
     ns_flops,
     resolve_ns_schedule,
 )
+from torchtitan_dmuon.optim.normuon import normuon_normalize
 from torchtitan_dmuon.optim.ns_backends import NS_BACKENDS, get_ns_backend
 
 __all__ = [
@@ -21,6 +23,7 @@ __all__ = [
     "get_ns_backend",
     "muon_step",
     "newton_schulz",
+    "normuon_normalize",
     "ns_flops",
     "resolve_ns_schedule",
 ]

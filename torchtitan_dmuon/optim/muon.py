@@ -74,11 +74,14 @@ class MuonUpdate:
         momentum_buffers: The new momentum buffers, one per matrix parameter.
         orthogonal: The orthogonalized updates, one per matrix parameter.
         matrices: How many matrices were orthogonalized (a 3-D stack counts each).
+        second_moments: NorMuon's new second moments (``orthogonal`` then holds the
+            normalized updates); None for Muon.
     """
 
     momentum_buffers: list[torch.Tensor]
     orthogonal: list[torch.Tensor]
     matrices: int
+    second_moments: list[torch.Tensor] | None = None
 
 
 @torch.no_grad()

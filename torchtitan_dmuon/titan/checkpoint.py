@@ -35,18 +35,26 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import Shard as ShardPlacement
 from torchtitan.components.checkpoint import ModelWrapper
 from torchtitan.components.lr_scheduler import LRSchedulersContainer
 
 from torchtitan_dmuon.engine import Dedication, get_dedication
 from torchtitan_dmuon.engine.geometry import piece_shards
 from torchtitan_dmuon.engine.plan import DedicatedParam
+from torchtitan_dmuon.optim.normuon import second_moment_shape
 from torchtitan_dmuon.titan.parallelize import clean_fqn
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DMuonModelWrapper", "LRSchedulersWrapper", "as_saved", "load_into"]
+__all__ = [
+    "DMuonModelWrapper",
+    "LRSchedulersWrapper",
+    "as_saved",
+    "load_into",
+    "load_state_into",
+]
 
 
 def _dedicated(model: nn.Module):
@@ -64,7 +72,9 @@ def _dedicated(model: nn.Module):
     return every, owned
 
 
-def as_saved(dedication: Dedication, entry: DedicatedParam, local: torch.Tensor) -> torch.Tensor:
+def as_saved(
+    dedication: Dedication, entry: DedicatedParam, local: torch.Tensor, per_row: bool = False
+) -> torch.Tensor:
     """What a checkpoint holds for a dedicated matrix's value or state (``local``, this
     owner's tensor; DCP loads into it in place through what this returns):
 
@@ -74,37 +84,128 @@ def as_saved(dedication: Dedication, entry: DedicatedParam, local: torch.Tensor)
     * a piece of a split stack: a ``ShardedTensor`` of the stack's shape whose local shard
       is ``local`` and whose other shards are the other owners' pieces (under expert
       parallelism, of every ``ep`` rank's experts: the whole stack, as without).
+
+    ``per_row``: ``local`` holds one value per row of the parameter's matrices (NorMuon's
+    second moment, ``(..., rows, 1)``): the same layout with the last dim collapsed. A split
+    of the columns leaves every tensor-parallel rank a copy of the same rows: replicated in
+    the DTensor; in a stack's piece each expert tensor-parallel rank saves and loads a
+    block of the rows of its copy (DCP wants disjoint shards), and
+    :func:`load_state_into` hands each block to the others after a load.
     """
     param = entry.param
+    shape = second_moment_shape(param.shape) if per_row else param.shape
     if entry.layout.is_piece:
-        shards = [
-            ShardMetadata(offsets, sizes, placement=f"rank:{rank}/{local.device}")
-            for offsets, sizes, rank in piece_shards(dedication, entry.name)
-        ]
+        shards = _piece_metadata(dedication, entry, local, per_row)
         # A rank owns at most one piece (or piece's shard) of each stack.
-        mine = next(md for md in shards if md.placement.rank() == dist.get_rank())
+        mine = [md for md in shards if md.placement.rank() == dist.get_rank()]
+        if per_row and _columns_split(entry):
+            # Saved from a copy, loaded into one: load_state_into puts it in place.
+            start, stop = _row_block(entry.layout.local_shape[-2], entry)
+            local = local.narrow(-2, start, stop - start).contiguous()
         metadata = ShardedTensorMetadata(
-            shards, param.shape, TensorProperties(dtype=local.dtype, layout=torch.strided)
+            shards, torch.Size(shape), TensorProperties(dtype=local.dtype, layout=torch.strided)
         )
         return ShardedTensor._init_from_local_shards_and_global_metadata(
-            [Shard(local, mine)], metadata
+            [Shard(local, md) for md in mine], metadata
         )
     if isinstance(local, DTensor) or entry.layout.split_dim is None:
         return local  # whole (a replicated DTensor's local tensor is the whole matrix)
+    placements = param.placements
+    if per_row:
+        placements = [Replicate() if _splits_columns(pl, param.ndim) else pl for pl in placements]
     return DTensor.from_local(
-        local, param.device_mesh, param.placements, run_check=False,
-        shape=param.shape, stride=param.stride(),
+        local, param.device_mesh, placements, run_check=False,
+        shape=torch.Size(shape), stride=_contiguous_strides(shape),
     )  # fmt: skip
+
+
+def load_state_into(
+    dedication: Dedication,
+    entry: DedicatedParam,
+    target: torch.Tensor,
+    loaded: torch.Tensor,
+    per_row: bool = False,
+) -> None:
+    """Put what DCP loaded for a dedicated matrix's state (through :func:`as_saved`'s
+    result) into ``target``. For the per-row state of a piece split along its columns
+    over the expert tensor-parallel ranks, each of them loaded one block of the rows:
+    one broadcast per block over the engine's TP group gives every rank all of them (a
+    collective, run by the piece's ranks for the same entries in the same order)."""
+    if not (per_row and entry.layout.is_piece and _columns_split(entry)):
+        load_into(target, loaded)
+        return
+    mine = loaded.local_shards()[0].tensor
+    first_expert = entry.layout.experts_of(entry.layout.ep_rank)[0]
+    owners = {
+        offsets[-1] // sizes[-1]: rank
+        for offsets, sizes, rank in piece_shards(dedication, entry.name)
+        if offsets[0] == first_expert
+    }
+    for etp_rank in range(entry.layout.etp_size):
+        start, stop = _row_block(target.shape[-2], entry, etp_rank)
+        block = (
+            mine
+            if etp_rank == entry.layout.etp_rank
+            else target.new_empty((*target.shape[:-2], stop - start, 1))
+        )
+        dist.broadcast(block, src=owners[etp_rank], group=dedication.exchange.tp_group)
+        target.narrow(-2, start, stop - start).copy_(block)
+
+
+def _row_block(rows: int, entry: DedicatedParam, etp_rank: int | None = None) -> tuple[int, int]:
+    """The rows of a column-split piece's per-row state that expert tensor-parallel rank
+    ``etp_rank`` (default: this rank's) saves and loads."""
+    etp_rank = entry.layout.etp_rank if etp_rank is None else etp_rank
+    size = entry.layout.etp_size
+    return rows * etp_rank // size, rows * (etp_rank + 1) // size
+
+
+def _columns_split(entry: DedicatedParam) -> bool:
+    split = entry.layout.split_dim
+    return split is not None and split % len(entry.layout.shape) == len(entry.layout.shape) - 1
+
+
+def _splits_columns(placement, ndim: int) -> bool:
+    return isinstance(placement, ShardPlacement) and placement.dim % ndim == ndim - 1
+
+
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+def _piece_metadata(
+    dedication: Dedication, entry: DedicatedParam, local: torch.Tensor, per_row: bool
+) -> list[ShardMetadata]:
+    """The shards of a split stack's pieces (of their per-row state: the last dim
+    collapsed; where the columns are split, each rank's block of the rows)."""
+    shards = []
+    columns_split = _columns_split(entry)
+    for offsets, sizes, rank in piece_shards(dedication, entry.name):
+        if per_row:
+            rows, row_offset = sizes[-2], offsets[-2]
+            if columns_split:
+                start, stop = _row_block(rows, entry, offsets[-1] // sizes[-1])
+                rows, row_offset = stop - start, row_offset + start
+            offsets = [*offsets[:-2], row_offset, 0]
+            sizes = [*sizes[:-2], rows, 1]
+        shards.append(ShardMetadata(offsets, sizes, placement=f"rank:{rank}/{local.device}"))
+    return shards
 
 
 def load_into(target: torch.Tensor, loaded: torch.Tensor) -> None:
     """Copy a loaded value into a dedicated matrix's local tensor, unless DCP already
-    loaded it in place."""
+    loaded it in place (into the tensor or a view of it)."""
     if isinstance(loaded, ShardedTensor):
         loaded = loaded.local_shards()[0].tensor
     elif isinstance(loaded, DTensor):
         loaded = loaded.to_local()
-    if loaded.data_ptr() != target.data_ptr():
+    if isinstance(target, DTensor):
+        target = target.to_local()
+    if loaded.untyped_storage().data_ptr() != target.untyped_storage().data_ptr():
         target.copy_(loaded)
 
 

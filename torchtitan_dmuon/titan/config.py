@@ -134,6 +134,16 @@ class DMuon:
     adjust_lr_fn: Literal["original", "match_rms_adamw", "spectral"] = "original"
     """Per-shape learning-rate scaling: original, match_rms_adamw or spectral."""
 
+    variant: Literal["muon", "normuon"] = "muon"
+    """muon, or normuon: NorMuon (arXiv:2510.05491), each orthogonalized update divided
+    row by row by the root of an EMA of its rows' mean squares, then rescaled to its own
+    Frobenius norm (so lr and adjust_lr_fn keep their meaning); each owner keeps that
+    second moment (one value per row, state "second_moment") beside the momentum, saved
+    and resharded in checkpoints like it."""
+
+    normuon_beta2: float = 0.95
+    """NorMuon's second-moment EMA factor, in [0, 1)."""
+
     nonfinite_grad_norm: Literal["skip", "stop", "continue"] = "skip"
     """What a step whose global gradient norm is NaN or infinite does (the norm is the
     one all ranks share, so all ranks act alike). "skip": no optimizer step (parameters,

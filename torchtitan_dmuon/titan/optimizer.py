@@ -14,7 +14,6 @@ reads it whole.
 
 from __future__ import annotations
 
-import functools
 import logging
 import numbers
 import time
@@ -26,8 +25,9 @@ from torch.distributed.tensor import DTensor
 from torchtitan.components.optimizer import OptimizersContainer
 
 from torchtitan_dmuon.engine import clip_grad_norm_, get_dedication
-from torchtitan_dmuon.optimizer import Muon
-from torchtitan_dmuon.titan.checkpoint import as_saved, load_into
+from torchtitan_dmuon.optim.normuon import second_moment_shape
+from torchtitan_dmuon.optimizer import SECOND_MOMENT, Muon
+from torchtitan_dmuon.titan.checkpoint import as_saved, load_state_into
 from torchtitan_dmuon.titan.parallelize import clean_fqn, dmuon_settings, muon_predicate
 
 logger = logging.getLogger(__name__)
@@ -48,6 +48,8 @@ def _muon_kwargs(model: nn.Module, optimizer_config) -> dict:
         ns_dtype=settings.ns_dtype,
         ns_backend=settings.ns_backend,
         adjust_lr_fn=settings.adjust_lr_fn,
+        variant=settings.variant,
+        normuon_beta2=settings.normuon_beta2,
         adamw_lr=optimizer_config.lr,
         adamw_betas=(optimizer_config.beta1, optimizer_config.beta2),
         adamw_eps=optimizer_config.eps,
@@ -171,26 +173,29 @@ class DMuonOptimizersContainer(OptimizersContainer):
 
     # ---- topology-independent state ------------------------------------------------------
     def _entries(self):
-        """``(fqn, state dict of the parameter, how its tensors are saved)`` for every
+        """``(fqn, state dict of the parameter, (dedication, entry) or None)`` for every
         parameter this rank saves and loads, creating the zero state a fresh optimizer
-        would (so keys exist before the first step and DCP can load into them). ``saved``
-        maps a dedicated matrix's state tensor to what the checkpoint holds (see
-        :func:`as_saved`); None for the others (saved as they are)."""
+        would (so keys exist before the first step and DCP can load into them). A
+        dedicated matrix's state tensors are saved as :func:`as_saved` says; the others
+        as they are."""
         for model, optimizer in zip(self.model_parts, self.optimizers, strict=True):
             fqns = {id(p): clean_fqn(n) for n, p in model.named_parameters()}
+            normuon = optimizer.param_groups[0]["variant"] == "normuon"
             dedication = get_dedication(model)
             if dedication is not None:
                 owned = [
-                    (entry.param, master, functools.partial(as_saved, dedication, entry))
+                    (entry.param, master, (dedication, entry))
                     for entry, master in dedication.primary_params()
                 ]
             else:
-                owned = [(p, p, lambda t: t) for p in optimizer.param_groups[0]["params"]]
-            for key, master, saved in owned:
+                owned = [(p, p, None) for p in optimizer.param_groups[0]["params"]]
+            for key, master, dedicated in owned:
                 state = optimizer.state[key]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(master)
-                yield fqns[id(key)], state, saved
+                if normuon and SECOND_MOMENT not in state:
+                    state[SECOND_MOMENT] = master.new_zeros(second_moment_shape(master.shape))
+                yield fqns[id(key)], state, dedicated
             group = optimizer.param_groups[1]
             for p in group["params"]:
                 state = optimizer.state[p]
@@ -203,6 +208,8 @@ class DMuonOptimizersContainer(OptimizersContainer):
         """``(key in the state dict, group, key in the group)`` of the numeric group values."""
         for group, kind in zip(optimizer.param_groups, ("muon", "adamw"), strict=True):
             for key, value in group.items():
+                if key == "normuon_beta2" and group["variant"] != "normuon":
+                    continue  # Muon's checkpoints stay as they were
                 if isinstance(value, numbers.Number) and not isinstance(value, bool):
                     yield f"param_groups.{kind}.{key}", group, key
 
@@ -210,8 +217,12 @@ class DMuonOptimizersContainer(OptimizersContainer):
         sd = {
             # A tensor-parallel matrix's momentum is this rank's shard (saved as a
             # DTensor), a split stack's its piece (a ShardedTensor).
-            f"state.{fqn}.{key}": value if saved is None else saved(value)
-            for fqn, state, saved in self._entries()
+            f"state.{fqn}.{key}": (
+                value
+                if dedicated is None
+                else as_saved(*dedicated, value, per_row=key == SECOND_MOMENT)
+            )
+            for fqn, state, dedicated in self._entries()
             for key, value in state.items()
         }
         for name, group, key in self._hyperparameters(self.optimizers[0]):
@@ -221,15 +232,15 @@ class DMuonOptimizersContainer(OptimizersContainer):
     def load_state_dict(self, state_dict: dict) -> None:
         # DCP loads tensors in place into those state_dict() returned; a plain dict (not
         # from DCP) is copied.
-        for fqn, state, saved in self._entries():
+        for fqn, state, dedicated in self._entries():
             for key, value in state.items():
                 loaded = state_dict.get(f"state.{fqn}.{key}")
                 if loaded is None or loaded is value:
                     continue
-                if saved is not None and not isinstance(value, DTensor):
-                    load_into(value, loaded)
-                else:
+                if dedicated is None:
                     value.copy_(loaded)
+                else:
+                    load_state_into(*dedicated, value, loaded, per_row=key == SECOND_MOMENT)
         for optimizer in self.optimizers:
             for name, group, key in list(self._hyperparameters(optimizer)):
                 if name in state_dict:
