@@ -41,7 +41,8 @@ CSV = ["--parallelism.pipeline_parallel_schedule_csv", "./tests/assets/pp_schedu
 # DDP-style, REPLICATE2). log_rank: a rank holding the last stage, the only one that logs
 # the loss.
 # TorchTitan's pp_dp_1f1b_layers_per_stage (1F1B, 4 layers per stage, PP 2 x DP 2) is the
-# 1F1B run of test_pipeline_equals_data_parallel_and_checkpoints_cross_pp, checked there.
+# 1F1B run of test_pipeline_equals_data_parallel_and_checkpoints_cross_pp, checked there,
+# and so is ZBV with replicate 2 (its zero-bubble run).
 CASES = {
     "pp_gpipe": OverrideDefinitions([pp(2, "GPipe", *DP1)], "PP 1D GPipe", "pp_gpipe", log_rank=1),
     "pp_1f1b": OverrideDefinitions([pp(2, "1F1B", *DP1)], "PP 1D 1F1B", "pp_1f1b", log_rank=1),
@@ -67,13 +68,6 @@ CASES = {
         "pp_looped_zero_bubble",
         ngpu=4,
         log_rank=3,
-    ),
-    "zbv_replicate2": OverrideDefinitions(
-        [pp(2, "ZBVZeroBubble", *REPLICATE2)],
-        "PP ZBV + replicate 2",
-        "zbv_replicate2",
-        ngpu=4,
-        log_rank=0,
     ),
     "looped_1f1b_dp2": OverrideDefinitions(
         [pp(2, "Interleaved1F1B", *DP2)],
