@@ -202,6 +202,14 @@ class ParamLayout:
         return self.split_dim is not None or self.kind is LayoutKind.EXPERT_PIECE
 
     @property
+    def splits_columns(self) -> bool:
+        """Whether (expert) tensor parallelism splits its matrices' columns: each TP rank
+        then holds a part of every row (Rowwise), else whole rows or none split."""
+        return (
+            self.split_dim is not None and self.split_dim % len(self.shape) == len(self.shape) - 1
+        )
+
+    @property
     def matrices(self) -> int:
         """Matrices it stands for in the whole model (every ``ep`` rank's experts)."""
         return matrix_count(self.shape) * self.ep_size

@@ -36,7 +36,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor import Shard as ShardPlacement
 from torchtitan.components.checkpoint import ModelWrapper
 from torchtitan.components.lr_scheduler import LRSchedulersContainer
 
@@ -98,7 +97,7 @@ def as_saved(
         shards = _piece_metadata(dedication, entry, local, per_row)
         # A rank owns at most one piece (or piece's shard) of each stack.
         mine = [md for md in shards if md.placement.rank() == dist.get_rank()]
-        if per_row and _columns_split(entry):
+        if per_row and entry.layout.splits_columns:
             # Saved from a copy, loaded into one: load_state_into puts it in place.
             start, stop = _row_block(entry.layout.local_shape[-2], entry)
             local = local.narrow(-2, start, stop - start).contiguous()
@@ -110,12 +109,16 @@ def as_saved(
         )
     if isinstance(local, DTensor) or entry.layout.split_dim is None:
         return local  # whole (a replicated DTensor's local tensor is the whole matrix)
-    placements = param.placements
+    placements, stride = param.placements, param.stride()
     if per_row:
-        placements = [Replicate() if _splits_columns(pl, param.ndim) else pl for pl in placements]
+        # The one Shard of the (1-D) TP mesh is the split; columns split: every rank
+        # holds the same rows.
+        if entry.layout.splits_columns:
+            placements = [Replicate() if pl.is_shard() else pl for pl in placements]
+        stride = _contiguous_strides(shape)
     return DTensor.from_local(
         local, param.device_mesh, placements, run_check=False,
-        shape=torch.Size(shape), stride=_contiguous_strides(shape),
+        shape=torch.Size(shape), stride=stride,
     )  # fmt: skip
 
 
@@ -131,7 +134,7 @@ def load_state_into(
     over the expert tensor-parallel ranks, each of them loaded one block of the rows:
     one broadcast per block over the engine's TP group gives every rank all of them (a
     collective, run by the piece's ranks for the same entries in the same order)."""
-    if not (per_row and entry.layout.is_piece and _columns_split(entry)):
+    if not (per_row and entry.layout.is_piece and entry.layout.splits_columns):
         load_into(target, loaded)
         return
     mine = loaded.local_shards()[0].tensor
@@ -160,15 +163,6 @@ def _row_block(rows: int, entry: DedicatedParam, etp_rank: int | None = None) ->
     return rows * etp_rank // size, rows * (etp_rank + 1) // size
 
 
-def _columns_split(entry: DedicatedParam) -> bool:
-    split = entry.layout.split_dim
-    return split is not None and split % len(entry.layout.shape) == len(entry.layout.shape) - 1
-
-
-def _splits_columns(placement, ndim: int) -> bool:
-    return isinstance(placement, ShardPlacement) and placement.dim % ndim == ndim - 1
-
-
 def _contiguous_strides(shape) -> tuple[int, ...]:
     strides, step = [], 1
     for size in reversed(shape):
@@ -183,11 +177,10 @@ def _piece_metadata(
     """The shards of a split stack's pieces (of their per-row state: the last dim
     collapsed; where the columns are split, each rank's block of the rows)."""
     shards = []
-    columns_split = _columns_split(entry)
     for offsets, sizes, rank in piece_shards(dedication, entry.name):
         if per_row:
             rows, row_offset = sizes[-2], offsets[-2]
-            if columns_split:
+            if entry.layout.splits_columns:
                 start, stop = _row_block(rows, entry, offsets[-1] // sizes[-1])
                 rows, row_offset = stop - start, row_offset + start
             offsets = [*offsets[:-2], row_offset, 0]
