@@ -117,6 +117,45 @@ class SplitExpertBlock(ExpertBlock):
         super().__init__(dim, hidden, split=True)
 
 
+class Attend(nn.Module):
+    """Causal attention on ``(batch, heads, seq, dim)`` query, key and value: the module
+    QK-clip watches (TorchTitan's inner attention wrappers take the same arguments)."""
+
+    def forward(self, q, k, v, *, scale=None, is_causal=True):
+        return nn.functional.scaled_dot_product_attention(
+            q, k, v, scale=scale, is_causal=is_causal, enable_gqa=q.shape[1] != k.shape[1]
+        )
+
+
+class HeadsBlock(Block):
+    """Causal multi-head attention with grouped keys (heads of 8 dims, two query heads per
+    key head), laid out as TorchTitan's (heads read from the local width, so q, k, v
+    Colwise and o Rowwise under TP work), then an MLP. The query and key projections start
+    4x larger than nn.Linear's default, so the logits are large enough to clip."""
+
+    head_dim = 8
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__(dim, hidden)
+        self.k_proj = nn.Linear(dim, dim // 2, bias=False)
+        self.v_proj = nn.Linear(dim, dim // 2, bias=False)
+        self.attend = Attend()
+        with torch.no_grad():
+            self.q_proj.weight.mul_(4)
+            self.k_proj.weight.mul_(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        h = self.norm(x)
+
+        def heads(t):
+            return t.view(b, s, -1, self.head_dim).transpose(1, 2)
+
+        out = self.attend(heads(self.q_proj(h)), heads(self.k_proj(h)), heads(self.v_proj(h)))
+        x = x + self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+        return x + self.down_proj(torch.relu(self.up_proj(self.norm(x))))
+
+
 class TinyTransformer(nn.Module):
     def __init__(
         self, vocab: int = 64, dim: int = 32, hidden: int = 64, layers: int = 2, block=Block

@@ -6,7 +6,8 @@ new value. Importing this package makes ``fully_shard`` skip dedicated parameter
 (``torchtitan_dmuon.engine.patches.uninstall()`` undoes it).
 
 Layout: ``optim`` (the math, no torch.distributed), ``engine`` (ownership: partition,
-dedication, communication, hooks; no TorchTitan), ``optimizer`` (the ``Muon`` class).
+dedication, communication, hooks; no TorchTitan), ``optimizer`` (the ``Muon`` class),
+``qk_clip`` (what ``Muon(qk_clip=...)`` watches).
 """
 
 from torchtitan_dmuon.engine import (
@@ -20,12 +21,15 @@ from torchtitan_dmuon.engine import (
 )
 from torchtitan_dmuon.engine.patches import install as _install_patches
 from torchtitan_dmuon.optimizer import Muon, MuonStepError
+from torchtitan_dmuon.qk_clip import ClippedAttention, QKClip
 
 _install_patches()
 
 __all__ = [
+    "ClippedAttention",
     "Muon",
     "MuonStepError",
+    "QKClip",
     "attach_pipeline_stage",
     "clip_grad_norm_",
     "dedicate_params",

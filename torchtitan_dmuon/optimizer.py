@@ -19,6 +19,7 @@ import logging
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
@@ -39,6 +40,7 @@ from torchtitan_dmuon.optim.newton_schulz import EPS, matrix_count, resolve_ns_s
 from torchtitan_dmuon.optim.normuon import normuon_normalize, second_moment_shape
 from torchtitan_dmuon.optim.ns_backends import bind_ns, check_ns_backend
 from torchtitan_dmuon.optim.ns_dtype import NSDtypeVerdict, parse_ns_dtype
+from torchtitan_dmuon.qk_clip import QKClip
 
 __all__ = ["Muon", "MuonStepError"]
 
@@ -93,6 +95,12 @@ class Muon(torch.optim.Optimizer):
             norm (NorMuon, see ``optim.normuon``); the owner keeps the second moment
             (state ``"second_moment"``, one value per row) beside the momentum.
         normuon_beta2: NorMuon's second-moment EMA factor, in ``[0, 1)``.
+        qk_clip: QK-clip (Kimi K2's MuonClip, see :class:`~torchtitan_dmuon.QKClip`):
+            after each update the query and key projections of the heads whose largest
+            logit exceeded its threshold are rescaled, on their owner, before the
+            broadcast; the per-head maxima are MAX-reduced over the data-parallel ranks
+            (one collective per step, overlapping Newton-Schulz). Its weights must be Muon
+            matrices. None: off.
         eps: Floor of the Newton-Schulz normalizing norm.
         adamw_lr: AdamW learning rate for the non-Muon parameters.
         adamw_betas: AdamW betas.
@@ -127,6 +135,7 @@ class Muon(torch.optim.Optimizer):
         adjust_lr_fn: str | None = None,
         variant: str = "muon",
         normuon_beta2: float = 0.95,
+        qk_clip: QKClip | None = None,
         eps: float = EPS,
         adamw_lr: float = 1e-3,
         adamw_betas: tuple[float, float] = (0.9, 0.95),
@@ -165,9 +174,23 @@ class Muon(torch.optim.Optimizer):
                 )
             self.dedication.bind_params()
             muon_params = list(self.dedication.params)
+            muon_names = {d.name for d in self.dedication.plan.params}
+            self._named_params = {}
         else:
             selected = select_matrices(model, predicate or (lambda n, p: p.ndim == 2))
             muon_params = [p for _, p in selected]
+            muon_names = {name for name, _ in selected}
+            self._named_params = dict(selected)
+        if qk_clip is not None:
+            if not isinstance(qk_clip, QKClip):
+                raise TypeError(f"qk_clip must be a QKClip, got {type(qk_clip).__name__}")
+            outside = [name for name in qk_clip.weight_names if name not in muon_names]
+            if outside:
+                raise ValueError(
+                    f"qk_clip: {outside[0]} is not a Muon matrix of this model (QK-clip "
+                    "rescales the query and key projections on their owner after Muon's "
+                    "update); select it for Muon or leave it out of the clipped attentions"
+                )
         if replicate_async and (
             self.dedication is None or self.dedication.exchange.replicas is None
         ):
@@ -181,6 +204,7 @@ class Muon(torch.optim.Optimizer):
 
         self.ns_backend = ns_backend
         self.eps = eps
+        self.qk_clip = qk_clip
         self.ns_matrices = 0
         """Matrices this rank has orthogonalized so far (accounting and tests)."""
 
@@ -223,6 +247,13 @@ class Muon(torch.optim.Optimizer):
             logger.info(
                 "Muon: NorMuon, each update normalized per row (second-moment beta2 %g)",
                 normuon_beta2,
+            )
+        if qk_clip is not None:
+            logger.info(
+                "Muon: QK-clip on %d attention layers (threshold %g, alpha %g)",
+                len(qk_clip.attentions),
+                qk_clip.threshold,
+                qk_clip.alpha,
             )
 
     def _ns_device(self, muon_params: list[nn.Parameter]) -> torch.device:
@@ -291,6 +322,8 @@ class Muon(torch.optim.Optimizer):
         super().zero_grad(set_to_none)
         if self.dedication is not None:
             self.dedication.zero_grad()
+        if self.qk_clip is not None:  # a new accumulation: the old passes' maxima go
+            self.qk_clip.reset()
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
@@ -328,18 +361,71 @@ class Muon(torch.optim.Optimizer):
         if self.dedication is not None:
             self.dedication.before_step()
         local, sharded = self._grouped_targets()
-        # Whatever needs no collective first, and the ranks agree on it before the owner
-        # columns' TP ranks start their sharded Newton-Schulz (a rank that failed before
-        # would meet its TP peer's collective with its agreement).
-        pending = self._compute_agreed(local)
-        if self.dedication is not None and self.dedication.exchange.tp_group is not None:
-            pending += self._compute_agreed(sharded)
+        qk_maxima = self._start_qk_reduce()
+        try:
+            # Whatever needs no collective first, and the ranks agree on it before the
+            # owner columns' TP ranks start their sharded Newton-Schulz (a rank that
+            # failed before would meet its TP peer's collective with its agreement).
+            pending = self._compute_agreed(local)
+            if self.dedication is not None and self.dedication.exchange.tp_group is not None:
+                pending += self._compute_agreed(sharded)
+        finally:
+            if qk_maxima is not None:
+                qk_maxima = self._finish_qk_reduce(*qk_maxima)
         self._apply_updates(pending)
+        if qk_maxima is not None:
+            self._clip_qk(qk_maxima)
         if self._adamw is not None:
             self._adamw.step()
         if self.dedication is not None:
             self.dedication.after_step()
         return loss
+
+    def _start_qk_reduce(self) -> tuple[torch.Tensor, dist.Work | None] | None:
+        """QK-clip's per-head maxima and the MAX all-reduce over the first data-parallel
+        group that starts on them (None: QK-clip is off)."""
+        if self.qk_clip is None:
+            return None
+        if self.dedication is None:
+            return self.qk_clip.maxima(self._ns_device(self.param_groups[0]["params"])), None
+        maxima = self.qk_clip.maxima(mesh_device(self.dedication.mesh))
+        group = self.dedication.exchange.data_parallel_groups()[0]
+        self.dedication.stats.record("qk_clip_all_reduce", maxima)
+        return maxima, dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group, async_op=True)
+
+    def _finish_qk_reduce(self, maxima: torch.Tensor, work: dist.Work | None) -> torch.Tensor:
+        """The maxima over every data-parallel rank (under HSDP, the replicate group's
+        MAX follows the shard group's)."""
+        if work is None:
+            return maxima
+        work.wait()
+        for group in self.dedication.exchange.data_parallel_groups()[1:]:
+            self.dedication.stats.record("qk_clip_all_reduce", maxima)
+            dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
+        return maxima
+
+    def _clip_qk(self, maxima: torch.Tensor) -> None:
+        """QK-clip after the update: each rank rescales the query and key weights it
+        writes (an owner's master, or its tensor-parallel rows); under tensor
+        parallelism the step's metrics then cover every TP rank's heads."""
+        names = set(self.qk_clip.weight_names)
+        if self.dedication is not None:
+            owned = self.dedication.primary_params()
+            masters = {entry.name: master for entry, master in owned if entry.name in names}
+        else:
+            masters = {
+                name: p.to_local() if isinstance(p, DTensor) else p
+                for name, p in self._named_params.items()
+                if name in names
+            }
+        with record_function("muon::qk_clip"):
+            self.qk_clip.clip(maxima, masters)
+        tp_group = self.dedication.exchange.tp_group if self.dedication is not None else None
+        if tp_group is not None:
+            clip = self.qk_clip
+            clip.clipped_heads = clip.clipped_heads.float()
+            dist.all_reduce(clip.clipped_heads, op=dist.ReduceOp.SUM, group=tp_group)
+            dist.all_reduce(clip.max_logit, op=dist.ReduceOp.MAX, group=tp_group)
 
     def _grouped_targets(self) -> tuple[list[tuple], list[tuple]]:
         """``(split dim, keys, params, grads)`` per group of the matrices this rank steps:
