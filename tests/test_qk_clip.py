@@ -7,6 +7,7 @@ logit, its query rows times ``gamma ** alpha`` and its key rows times
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -365,3 +366,92 @@ def test_off_is_bitwise_unchanged():
         for name, value in a[0]["params"].items():
             assert torch.equal(value, b[0]["params"][name]), name
         assert a[0]["losses"] == b[0]["losses"]
+
+
+def test_recompute_in_backward_records_nothing(monkeypatch):
+    """Under activation checkpointing the backward's recompute of a block sees the values
+    its forward saw: the maxima are computed once per forward, not again."""
+    import torchtitan_dmuon.qk_clip as qk_clip_module
+
+    calls = []
+    original = qk_clip_module.head_max_logits
+    monkeypatch.setattr(
+        qk_clip_module, "head_max_logits", lambda *a, **k: calls.append(1) or original(*a, **k)
+    )
+    model = heads_model()
+    clip = QKClip(model, attentions(), THRESHOLD)
+    inputs, targets = batch(100, 4)
+    x = model.embed(inputs)
+    for block in model.layers:
+        x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+    logits = model.head(model.norm(x))
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    loss.backward()
+    assert len(calls) == LAYERS
+    assert model.layers[0].q_proj.weight.grad is not None
+    with torch.no_grad():  # an evaluation pass
+        model(inputs)
+    assert len(calls) == LAYERS
+    assert clip.maxima(torch.device("cpu")).isfinite().all()
+
+
+# ---- TorchTitan's models ----------------------------------------------------------------------
+
+
+def _titan_model(name: str, flavor: str = "debugmodel"):
+    import importlib
+
+    package = importlib.import_module(f"torchtitan.models.{name}")
+    args = getattr(package, {"deepseek_v3": "deepseekv3_args"}.get(name, f"{name}_args"))[flavor]
+    if name == "deepseek_v3":  # what update_from_config sets from [parallelism]
+        args = copy.copy(args)
+        args.moe_impl = "standard"
+    cls = {"llama3": "Transformer", "llama4": "Transformer", "qwen3": "Qwen3Model",
+           "deepseek_v3": "DeepSeekV3Model"}[name]  # fmt: skip
+    with torch.device("meta"):
+        return getattr(package, cls)(args)
+
+
+def _layout(cp=1, tp=1):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(cp=cp, tp=tp)
+
+
+def test_titan_models_clip_the_heads_rows_they_own():
+    """llama3 / llama4: each head's wq and wk rows (local heads under TP); deepseek_v3
+    (MLA): wq's q_nope rows by the query's share, its q_pe rows by the whole factor,
+    wkv_b's k_nope rows by the key's share; qwen3 (QK-norm), context parallelism and a
+    threshold of 0 (off) say so."""
+    from torchtitan_dmuon.titan.config import DMuon
+    from torchtitan_dmuon.titan.qk_clip import build_qk_clip
+
+    on = DMuon(qk_clip_threshold=100.0)
+    llama3 = build_qk_clip(_titan_model("llama3"), on, _layout(tp=2))
+    first = llama3.attentions[0]
+    assert len(llama3.attentions) == 6 and first.module == "layers.0.attention.inner_attention"
+    assert first.query_heads == 16 // 2
+    assert first.weights == (
+        HeadRows("layers.0.attention.wq.weight", 16, ((0, 16, "query"),)),
+        HeadRows("layers.0.attention.wk.weight", 16, ((0, 16, "key"),)),
+    )
+    assert len(build_qk_clip(_titan_model("llama4"), on, _layout()).attentions) == 6
+    mla = build_qk_clip(_titan_model("deepseek_v3"), on, _layout()).attentions[0]
+    assert mla.query_heads == 16
+    assert mla.weights == (
+        HeadRows(
+            "layers.0.attention.wq.weight",
+            192,
+            ((0, 128, "query"), (128, 192, "query_of_shared_key")),
+        ),  # fmt: skip
+        HeadRows("layers.0.attention.wkv_b.weight", 256, ((0, 128, "key"),)),
+    )
+    assert build_qk_clip(_titan_model("llama3"), DMuon(), _layout()) is None
+    with pytest.raises(ValueError, match="qk_norm"):
+        build_qk_clip(_titan_model("qwen3"), on, _layout())
+    with pytest.raises(ValueError, match="context parallelism is not supported"):
+        build_qk_clip(_titan_model("llama3"), on, _layout(cp=2))
+    with pytest.raises(ValueError, match=r"qk_clip_threshold must be >= 0"):
+        DMuon(qk_clip_threshold=-1.0)
+    with pytest.raises(ValueError, match=r"qk_clip_alpha must be in \[0, 1\]"):
+        DMuon(qk_clip_alpha=2.0)

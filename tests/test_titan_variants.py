@@ -1,17 +1,79 @@
 """Muon's variants through ./run_train.sh: NorMuon (``--dmuon.variant normuon``) on the
 llama4 debug MoE, trained under FSDP 2 x TP 2 x EP 2 with expert tensor parallelism 2
 (every kind of layout its second moments take: whole, rows split, columns split, expert
-pieces split either way), and its checkpoints across layouts."""
+pieces split either way), and its checkpoints across layouts; QK-clip
+(``--dmuon.qk_clip_threshold``) on the debug llama3, eager and compiled, and on the
+deepseek_v3 debug MoE (MLA)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
-from tests.test_titan_expert_parallel import AFTER_SAVE, ETP2, LLAMA4, SAVED_AT, STEPS, ep
-from tests.test_titan_integration import run_train, shared_run
+from tests.test_titan_expert_parallel import (
+    AFTER_SAVE,
+    DEEPSEEK,
+    ETP2,
+    LLAMA4,
+    SAVED_AT,
+    STEPS,
+    ep,
+)
+from tests.test_titan_integration import PLAIN, run_train, shared_run
 from tests.test_titan_pipeline import from_seed, resume_from
 
 NORMUON = ["--dmuon.variant", "normuon"]
+# TorchTitan's debug models start with logits of about 0.6 (weights of std 0.02): every
+# head clips at step 1.
+QK_CLIP = ["--dmuon.qk_clip_threshold", "0.3"]
+QK_LINE = re.compile(r"qk max logit (\S+) clipped heads (\d+)")
+
+
+def _qk_metrics(output: str) -> list[tuple[float, int]]:
+    return [(float(m), int(n)) for m, n in QK_LINE.findall(output)]
+
+
+@pytest.mark.slow
+def test_qk_clip_trains_llama3_eager_and_compiled_and_deepseek_mla(tmp_path_factory, tmp_path):
+    """The debug llama3 (2 ranks, FSDP Z3) with QK-clip at 0.3 clips all 96 heads at step
+    1 (largest logit 0.64) and the logged maximum falls toward the threshold at step 2 (to
+    less than 3/4 of it: new batches and Muon's updates keep it above 0.3), heads clip at
+    every step; step 1's loss is bitwise the plain run's (the clip follows the update),
+    the later ones differ. Compiled per block it records the same maxima (to the logged
+    2 decimals) and clips the same heads at step 1, within 2 later. The deepseek_v3 debug
+    MoE (MLA: q_nope, q_pe and k_nope rows rescaled) trains with QK-clip at 0.5, clipping
+    heads."""
+    plain = shared_run(PLAIN, 2, tmp_path_factory)
+    eager = run_train([*PLAIN, *QK_CLIP], 2, tmp_path / "eager", "train_configs/debug_cpu.toml")
+    compiled = run_train(
+        [*PLAIN, *QK_CLIP, "--compile.enable", "--compile.components", "model"],
+        2, tmp_path / "compiled", "train_configs/debug_cpu.toml",
+    )  # fmt: skip
+    for run in (plain, eager, compiled):
+        assert run.returncode == 0, run.output[-4000:]
+        assert sorted(run.losses) == list(STEPS)
+    assert "Muon: QK-clip on 6 attention layers (threshold 0.3, alpha 0.5)" in eager.output
+    metrics = _qk_metrics(eager.output)
+    assert len(metrics) == len(STEPS)
+    assert metrics[0][1] == 6 * 16 and metrics[0][0] > 0.6
+    assert metrics[1][0] < 0.75 * metrics[0][0]
+    assert all(heads > 0 for _, heads in metrics), metrics
+    assert eager.losses[1] == plain.losses[1]
+    assert all(eager.losses[s] != plain.losses[s] for s in STEPS if s > 1)
+    compiled_metrics = _qk_metrics(compiled.output)
+    assert compiled_metrics[0][1] == metrics[0][1]
+    assert all(abs(a[1] - b[1]) <= 2 for a, b in zip(compiled_metrics, metrics, strict=True))
+    assert [m for m, _ in compiled_metrics] == pytest.approx([m for m, _ in metrics], abs=0.011)
+
+    deepseek = run_train(
+        ["--training.steps", "3", "--metrics.log_freq", "1", "--dmuon.qk_clip_threshold", "0.5"],
+        2, tmp_path / "deepseek", DEEPSEEK,
+    )  # fmt: skip
+    assert deepseek.returncode == 0, deepseek.output[-4000:]
+    assert deepseek.losses[3] < deepseek.losses[1]
+    ds_metrics = _qk_metrics(deepseek.output)
+    assert len(ds_metrics) == 3 and all(heads > 0 for _, heads in ds_metrics), ds_metrics
 
 
 @pytest.mark.slow

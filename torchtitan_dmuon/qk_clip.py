@@ -109,8 +109,11 @@ class QKClip:
 
     def _observer(self, attention: ClippedAttention):
         def observe(module, args, kwargs) -> None:
-            # Eval passes run without grad; recomputes in backward see the forward's values.
-            if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+            # Eval passes run without grad; recomputes in backward see the forward's values
+            # (a compiled block recomputes inside its compiled backward, without the hook).
+            if not torch.is_grad_enabled():
+                return
+            if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
                 return
             query, key = args[0], args[1]
             block_mask = kwargs.get("block_mask")

@@ -144,6 +144,25 @@ class DMuon:
     normuon_beta2: float = 0.95
     """NorMuon's second-moment EMA factor, in [0, 1)."""
 
+    qk_clip_threshold: float = 0.0
+    """QK-clip (Kimi K2's MuonClip) threshold tau; 0 (the default): off. Each step every
+    rank records, per attention head, the largest pre-softmax logit of its batch (from the
+    query and key the attention receives, after RoPE, with its softmax scale and mask),
+    the maxima are MAX-reduced over the data-parallel ranks, and after Muon's update the
+    owner of each head's query and key rows rescales them by (tau / max)^alpha and
+    (tau / max)^(1 - alpha) where max > tau. What is clipped: llama3 and llama4: each
+    head's rows of wq and wk (a grouped key head takes its query group's smallest factor);
+    deepseek_v3 (MLA): q_nope rows of wq / wq_b and k_nope rows of wkv_b as above, and the
+    head's q_pe rows by the whole factor, since its RoPE key k_pe is shared by all heads
+    and stays as it is. Not available for qwen3 (its QK-norm undoes any rescaling of wq
+    and wk, and already bounds the logits), varlen attention or context parallelism. Kimi
+    K2 used 100. The largest logit and the count of clipped heads are logged (dmuon line,
+    TensorBoard dmuon/qk_max_logit, dmuon/qk_clipped_heads)."""
+
+    qk_clip_alpha: float = 0.5
+    """The query's share of QK-clip's rescaling, in [0, 1]: the query rows are scaled by
+    factor^alpha and the key rows by factor^(1 - alpha)."""
+
     nonfinite_grad_norm: Literal["skip", "stop", "continue"] = "skip"
     """What a step whose global gradient norm is NaN or infinite does (the norm is the
     one all ranks share, so all ranks act alike). "skip": no optimizer step (parameters,
@@ -154,10 +173,11 @@ class DMuon:
     """
 
     def __post_init__(self) -> None:
-        """Check the choice fields (TOML values reach here unchecked).
+        """Check the choice fields and the QK-clip ranges (TOML values reach here unchecked).
 
         Raises:
-            ValueError: A ``Literal`` field holds a value outside its choices.
+            ValueError: A ``Literal`` field holds a value outside its choices, or a QK-clip
+                setting is out of its range.
         """
         hints = get_type_hints(type(self))
         for f in fields(self):
@@ -166,6 +186,12 @@ class DMuon:
             choices, value = get_args(hints[f.name]), getattr(self, f.name)
             if value not in choices:
                 raise ValueError(f"[dmuon] {f.name} must be one of {choices}, got {value!r}")
+        if self.qk_clip_threshold < 0:
+            raise ValueError(
+                f"[dmuon] qk_clip_threshold must be >= 0 (0: off), got {self.qk_clip_threshold}"
+            )
+        if not 0.0 <= self.qk_clip_alpha <= 1.0:
+            raise ValueError(f"[dmuon] qk_clip_alpha must be in [0, 1], got {self.qk_clip_alpha}")
 
 
 @dataclass

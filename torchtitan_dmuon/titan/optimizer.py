@@ -29,16 +29,18 @@ from torchtitan_dmuon.optim.normuon import second_moment_shape
 from torchtitan_dmuon.optimizer import SECOND_MOMENT, Muon
 from torchtitan_dmuon.titan.checkpoint import as_saved, load_state_into
 from torchtitan_dmuon.titan.parallelize import clean_fqn, dmuon_settings, muon_predicate
+from torchtitan_dmuon.titan.qk_clip import build_qk_clip
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["DMuonOptimizersContainer", "build_dmuon_optimizers"]
 
 
-def _muon_kwargs(model: nn.Module, optimizer_config) -> dict:
+def _muon_kwargs(model: nn.Module, optimizer_config, parallel_dims) -> dict:
     settings = dmuon_settings(model)  # its choice fields were checked at parse time
     dedicated = get_dedication(model) is not None
     return dict(
+        qk_clip=build_qk_clip(model, settings, parallel_dims),
         lr=settings.lr,
         momentum=settings.momentum,
         nesterov=settings.nesterov,
@@ -82,9 +84,11 @@ class DMuonOptimizersContainer(OptimizersContainer):
         step_seconds: See the property.
     """
 
-    def __init__(self, model_parts: list[nn.Module], optimizer_config) -> None:
+    def __init__(self, model_parts: list[nn.Module], optimizer_config, parallel_dims) -> None:
         self.model_parts = model_parts
-        self.optimizers = [Muon(m, **_muon_kwargs(m, optimizer_config)) for m in model_parts]
+        self.optimizers = [
+            Muon(m, **_muon_kwargs(m, optimizer_config, parallel_dims)) for m in model_parts
+        ]
         self._step_seconds = 0.0
         self._pending_timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._skip_next_step = False
@@ -255,4 +259,4 @@ def build_dmuon_optimizers(
         raise ValueError("[optimizer] early_step_in_backward is not supported with DMuon")
     if ft_manager is not None and ft_manager.enabled:
         raise ValueError("TorchFT is not supported with DMuon")
-    return DMuonOptimizersContainer(model_parts, optimizer_config)
+    return DMuonOptimizersContainer(model_parts, optimizer_config, parallel_dims)

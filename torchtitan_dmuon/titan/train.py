@@ -91,13 +91,20 @@ class DMuonTrainer(Trainer):
         def log_with_dmuon(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
             extra = dict(extra_metrics or {})
             extra.update(self._dmuon_metrics(step))
+            qk = ""
+            if "dmuon/qk_max_logit" in extra:
+                qk = (
+                    f"  qk max logit {extra['dmuon/qk_max_logit']:.2f} "
+                    f"clipped heads {extra['dmuon/qk_clipped_heads']:d}"
+                )
             logger.info(
                 "dmuon: optimizer step %.1f ms  reduce %.2f MB/step  broadcast %.2f MB/step  "
-                "owner balance %.3f",
+                "owner balance %.3f%s",
                 extra["dmuon/optimizer_ms"],
                 extra["dmuon/reduce_mb"],
                 extra["dmuon/broadcast_mb"],
                 extra["dmuon/owner_balance"],
+                qk,
             )
             return log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra)
 
@@ -164,6 +171,11 @@ class DMuonTrainer(Trainer):
             "dmuon/broadcast_mb": mb("broadcast"),
             "dmuon/owner_balance": max((d.balance() for d in self.dedications), default=1.0),
         }
+        clips = [o.qk_clip for o in self.optimizers.optimizers if o.qk_clip is not None]
+        clips = [c for c in clips if c.max_logit is not None]
+        if clips:  # the last step's, over this rank's stages (and all their TP ranks' heads)
+            metrics["dmuon/qk_max_logit"] = max(c.max_logit.item() for c in clips)
+            metrics["dmuon/qk_clipped_heads"] = sum(int(c.clipped_heads) for c in clips)
         self._last_bytes, self._last_step_seconds, self._last_step = totals, step_seconds, step
         return metrics
 

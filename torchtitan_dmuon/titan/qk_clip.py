@@ -1,0 +1,85 @@
+"""QK-clip for TorchTitan's models: which attention modules to watch and which rows of
+which weights each head owns.
+
+llama3, llama4 and qwen3 (without QK-norm) run multi-head or grouped-query attention:
+a head's query rows of ``wq`` and key rows of ``wk`` (a key head shared by its group of
+query heads). DeepSeek-V3 runs multi-head latent attention (MLA): a head's query rows of
+``wq`` (or ``wq_b`` with a query LoRA) are its ``q_nope`` then its ``q_pe``, its rows of
+``wkv_b`` its ``k_nope`` then its value; the RoPE key ``k_pe`` (rows of ``wkv_a``) is
+shared by all heads and left alone, so ``q_pe`` takes the head's whole factor (Kimi K2's
+rule). The maxima are recorded on each attention's ``inner_attention`` wrapper, which
+receives the query and key after RoPE with the softmax scale and the mask.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from torchtitan_dmuon.optim.qk_clip import HeadRows
+from torchtitan_dmuon.qk_clip import ClippedAttention, QKClip
+from torchtitan_dmuon.titan.config import DMuon
+
+__all__ = ["build_qk_clip"]
+
+
+def _attention(name: str, module: nn.Module, tp: int) -> ClippedAttention | None:
+    """``module`` as QK-clip sees it, or None if it is not a TorchTitan attention."""
+    if not hasattr(module, "inner_attention"):
+        return None
+    if getattr(module, "attn_type", "sdpa") == "varlen":
+        raise ValueError(
+            f"[dmuon] qk_clip_threshold: {name} runs varlen attention, whose per-document "
+            "mask QK-clip does not read; use attn_type sdpa or flex"
+        )
+    if module.n_heads % tp:
+        raise ValueError(
+            f"[dmuon] qk_clip_threshold: {name} has {module.n_heads} heads over TP {tp}"
+        )
+    if hasattr(module, "wkv_b"):  # DeepSeek-V3's MLA
+        nope, rope = module.qk_nope_head_dim, module.qk_rope_head_dim
+        query = "wq" if module.q_lora_rank == 0 else "wq_b"
+        weights = (
+            HeadRows(
+                f"{name}.{query}.weight",
+                nope + rope,
+                ((0, nope, "query"), (nope, nope + rope, "query_of_shared_key")),
+            ),
+            HeadRows(f"{name}.wkv_b.weight", nope + module.v_head_dim, ((0, nope, "key"),)),
+        )
+    else:
+        if getattr(module, "q_norm", None) is not None:
+            raise ValueError(
+                f"[dmuon] qk_clip_threshold: {name} normalizes its queries and keys per head "
+                "(qk_norm), which undoes any rescaling of wq and wk: QK-norm already bounds "
+                "the logits, QK-clip does not apply to it"
+            )
+        head = module.head_dim
+        weights = (
+            HeadRows(f"{name}.wq.weight", head, ((0, head, "query"),)),
+            HeadRows(f"{name}.wk.weight", head, ((0, head, "key"),)),
+        )
+    return ClippedAttention(f"{name}.inner_attention", module.n_heads // tp, weights)
+
+
+def build_qk_clip(model: nn.Module, settings: DMuon, parallel_dims) -> QKClip | None:
+    """The :class:`QKClip` of one model part for ``[dmuon] qk_clip_threshold``; None when it
+    is 0 (off) or the part (a pipeline stage) holds no attention.
+
+    Raises:
+        ValueError: QK-clip cannot run on this model or layout, naming why.
+    """
+    if settings.qk_clip_threshold == 0:
+        return None
+    if parallel_dims.cp > 1:
+        raise ValueError(
+            "[dmuon] qk_clip_threshold: context parallelism is not supported (each rank's "
+            "attention sees a slice of the keys, so its maxima are not the heads' maxima)"
+        )
+    attentions = [
+        a
+        for a in (_attention(n, m, parallel_dims.tp) for n, m in model.named_modules())
+        if a is not None
+    ]
+    if not attentions:
+        return None
+    return QKClip(model, attentions, settings.qk_clip_threshold, settings.qk_clip_alpha)
