@@ -13,6 +13,9 @@ a subprocess; its rank-0 log is parsed. The runs:
 * ``seed2``: the best sweep run of each optimizer (lowest held-out loss) again with a
   second ``--debug.seed``.
 * ``rms``: DMuon with ``--dmuon.adjust_lr_fn match_rms_adamw --dmuon.lr <best AdamW lr>``.
+* ``variants``: at the best DMuon lr and seed 42, NorMuon (``--dmuon.variant normuon``)
+  and QK-clip (``--dmuon.qk_clip_threshold``, ``--qk-clip-threshold``; the largest logit
+  and the clipped heads of each logged step go into the run's record).
 
 Held-out loss: ``scripts/setup.sh`` builds ``assets/heldout/`` (5% of the documents,
 never in the training corpus; see ``torchtitan_dmuon/titan/assets.py``), and TorchTitan's
@@ -31,7 +34,8 @@ runs and the summary), ``convergence.png`` and ``table.md`` (also printed).
 Usage::
 
     .venv/bin/python benchmarks/bench_convergence.py                  # check, sweep, seed2
-    .venv/bin/python benchmarks/bench_convergence.py --runs all       # and rms
+    .venv/bin/python benchmarks/bench_convergence.py --runs all       # and rms, variants
+    .venv/bin/python benchmarks/bench_convergence.py --runs variants  # NorMuon, QK-clip
     .venv/bin/python benchmarks/bench_convergence.py --runs adamw_lr0.003_s42 --steps 20
     .venv/bin/python benchmarks/bench_convergence.py --report-only
 """
@@ -63,7 +67,8 @@ NPROC = 2
 LOCAL_BATCH_SIZE, SEQ_LEN = 4, 128
 LOG_FREQ = 5  # [metrics] log_freq of the config: the training loss is logged every 5 steps
 SEED, SEED2 = 42, 1
-GROUPS = ("check", "sweep", "seed2", "rms")
+GROUPS = ("check", "sweep", "seed2", "rms", "variants")
+DEPENDENT = ("seed2", "rms", "variants")
 _TIME = r"\[rank0\]:\[titan\] (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) - root - \w+ - "
 _NUM = r"(-?[\d.]+|nan|inf|-inf)"
 STEP_RE = re.compile(
@@ -71,6 +76,7 @@ STEP_RE = re.compile(
 )
 VAL_RE = re.compile(_TIME + r"validate step:\s*(\d+)\s+loss:\s*" + _NUM)
 START_RE = re.compile(_TIME + r"Training starts at step")
+QK_RE = re.compile(r"qk max logit " + _NUM + r" clipped heads (\d+)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,12 +171,12 @@ def best_run(results: list[dict], optimizer: str, group: str = "sweep") -> dict 
 
 
 def dependent_specs(args: argparse.Namespace, results: list[dict], group: str) -> list[RunSpec]:
-    """The ``seed2`` or ``rms`` runs, which depend on the sweep's best runs.
+    """The ``seed2``, ``rms`` or ``variants`` runs, which depend on the sweep's best runs.
 
     Args:
         args: The command line.
         results: The finished runs.
-        group: ``"seed2"`` or ``"rms"``.
+        group: ``"seed2"``, ``"rms"`` or ``"variants"``.
 
     Returns:
         The runs of ``group`` whose sweep is complete (a missing sweep is logged).
@@ -202,6 +208,27 @@ def dependent_specs(args: argparse.Namespace, results: list[dict], group: str) -
                     tuple(args.extra),
                 )
             )
+        elif group == "variants" and optimizer == "DMuon":
+            variants = (
+                ("normuon", ("--dmuon.variant", "normuon")),
+                (
+                    f"qkclip{_fmt(args.qk_clip_threshold)}",
+                    ("--dmuon.qk_clip_threshold", _fmt(args.qk_clip_threshold)),
+                ),
+            )
+            for name, flags in variants:
+                specs.append(
+                    RunSpec(
+                        f"dmuon_{name}_lr{_fmt(best['lr'])}_s{SEED}",
+                        "DMuon",
+                        best["lr"],
+                        SEED,
+                        "variants",
+                        args.steps,
+                        args.eval_every,
+                        (*flags, *args.extra),
+                    )
+                )
         elif group == "rms" and optimizer == "AdamW":
             extra = ("--dmuon.adjust_lr_fn", "match_rms_adamw", *args.extra)
             specs.append(
@@ -254,6 +281,10 @@ def parse_log(text: str) -> dict:
         {"step": int(m.group(2)), "time": when(m.group(1)), "loss": float(m.group(3))}
         for m in VAL_RE.finditer(text)
     ]
+    # QK-clip's metrics come in the dmuon line just before each step's line.
+    qk = [(float(m.group(1)), int(m.group(2))) for m in QK_RE.finditer(text)]
+    for entry, (max_logit, heads) in zip(train, qk, strict=False):
+        entry["qk_max_logit"], entry["qk_clipped_heads"] = max_logit, heads
     return {"start": start, "train": train, "val": val}
 
 
@@ -297,6 +328,7 @@ def summarize(spec: RunSpec, parsed: dict, wall_s: float, val_batches: int) -> d
             "loss": e["loss"],
             "grad_norm": e["grad_norm"],
             "tps_per_rank_torchtitan": e["tps"],
+            **{k: e[k] for k in ("qk_max_logit", "qk_clipped_heads") if k in e},
         }
         for e in parsed["train"]
     ]
@@ -569,6 +601,39 @@ def report(results: list[dict], check: dict | None, meta: dict) -> tuple[str, di
         ]
         lines += _table(rows, header)
         lines.append("")
+    base = next(
+        (
+            r
+            for r in results
+            if r["group"] == "sweep" and r["name"] == best.get("DMuon", {}).get("name")
+        ),
+        None,
+    )
+    variants = [r for r in results if r["group"] == "variants"]
+    if base is not None and variants:
+        rows = []
+        for r in [base, *variants]:
+            qk = [e for e in r["train"] if "qk_max_logit" in e]
+            clipped = sum(e["qk_clipped_heads"] > 0 for e in qk)
+            rows.append(
+                [
+                    r["name"],
+                    _loss(r["final_val_loss"]),
+                    f"{r['final_val_loss'] - base['final_val_loss']:+.3f}",
+                    f"{r['tokens_per_s']:.0f}",
+                    f"{max(e['qk_max_logit'] for e in qk):.2f}" if qk else "",
+                    f"{clipped} of {len(qk)}" if qk else "",
+                ]
+            )
+        summary["variants"] = {r[0]: {"final_val_loss": r[1], "vs_muon": r[2]} for r in rows}
+        lines.append(f"Muon's variants at the best DMuon lr, seed {SEED}:")
+        lines.append("")
+        lines += _table(
+            rows,
+            ["run", "final held-out", "vs Muon", "tokens/s", "largest logit",
+             "logged steps with clipped heads"],
+        )  # fmt: skip
+        lines.append("")
     rows = []
     for r in results:
         rows.append(
@@ -610,10 +675,14 @@ def plot(results: list[dict], path: pathlib.Path, best_names: set[str]) -> None:
     colors = {"AdamW": plt.cm.Blues, "DMuon": plt.cm.Oranges}
     for r in sorted(results, key=lambda r: (r["optimizer"], r["group"], r["lr"])):
         highlight = r["name"] in best_names or (r["group"] == "seed2")
-        cmap = plt.cm.Greens if r["group"] == "rms" else colors[r["optimizer"]]
+        cmap = {"rms": plt.cm.Greens, "variants": plt.cm.Purples}.get(
+            r["group"], colors[r["optimizer"]]
+        )
+        if "qkclip" in r["name"]:
+            cmap = plt.cm.Reds
         lrs = sorted({x["lr"] for x in results if x["optimizer"] == r["optimizer"]})
         shade = 0.45 + 0.5 * (lrs.index(r["lr"]) + 1) / (len(lrs) + 1)
-        style = {"seed2": "--", "rms": ":"}.get(r["group"], "-")
+        style = {"seed2": "--", "rms": ":", "variants": "-."}.get(r["group"], "-")
         kw = {
             "color": cmap(shade),
             "linestyle": style,
@@ -694,7 +763,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--runs",
         default="check,sweep,seed2",
-        help="comma-separated groups (check, sweep, seed2, rms, all) and/or run names (see --list)",
+        help="comma-separated groups (check, sweep, seed2, rms, variants, all) and/or run "
+        "names (see --list)",
+    )
+    parser.add_argument(
+        "--qk-clip-threshold",
+        type=float,
+        default=10.0,
+        help="the variants group's QK-clip threshold",
     )
     parser.add_argument("--adamw-lrs", type=float, nargs=3, default=[1e-3, 3e-3, 1e-2])
     parser.add_argument("--muon-lrs", type=float, nargs=3, default=[0.01, 0.02, 0.05])
@@ -731,15 +807,15 @@ def main(argv: list[str] | None = None) -> int:
         selected = [s for s in queue if s.group in wanted or s.name in wanted]
         if args.list:
             done = [r for r in _load_done(args.out) if r["group"] != "check"]
-            queue += dependent_specs(args, done, "seed2") + dependent_specs(args, done, "rms")
+            queue += [s for g in DEPENDENT for s in dependent_specs(args, done, g)]
             for s in queue:
                 print(s.name, s.group)
-            print("(seed2 and rms runs are known once their sweep is done)")
+            print("(seed2, rms and variants runs are known once their sweep is done)")
             return 0
         for spec in selected:
             failed |= run_one(spec, args) is None
         named = wanted - set(GROUPS) - {s.name for s in queue}
-        for group in ("seed2", "rms"):
+        for group in DEPENDENT:
             if group not in wanted and not named:
                 continue
             done = [r for r in _load_done(args.out) if r["group"] != "check"]
