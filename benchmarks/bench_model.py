@@ -13,9 +13,19 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from torchtitan_dmuon import ClippedAttention
 from torchtitan_dmuon.optim.newton_schulz import ns_flops
+from torchtitan_dmuon.optim.qk_clip import HeadRows
 
-__all__ = ["BenchTransformer", "matrix_predicate", "ns_to_compute_ratio"]
+__all__ = ["BenchTransformer", "matrix_predicate", "ns_to_compute_ratio", "qk_clip_attentions"]
+
+
+class CausalSDPA(nn.Module):
+    """Causal grouped-query SDPA as a module of its own (as TorchTitan's inner attention):
+    what QK-clip watches."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
 class Attention(nn.Module):
@@ -26,13 +36,14 @@ class Attention(nn.Module):
         self.wk = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(dim, dim, bias=False)
+        self.inner_attention = CausalSDPA()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.wq(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        out = self.inner_attention(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -94,3 +105,17 @@ def ns_to_compute_ratio(model: nn.Module, tokens_per_rank: int, ns_steps: int = 
         if p.ndim == 2 and not name.startswith("tok_embeddings"):
             fb += 6 * p.numel() * tokens_per_rank
     return ns / fb
+
+
+def qk_clip_attentions(model: BenchTransformer) -> list[ClippedAttention]:
+    """Every layer's attention as QK-clip sees it: each head's rows of wq and wk."""
+    attentions = []
+    for i, layer in enumerate(model.layers):
+        name, attention = f"layers.{i}.attention", layer.attention
+        head = attention.head_dim
+        rows = (
+            HeadRows(f"{name}.wq.weight", head, ((0, head, "query"),)),
+            HeadRows(f"{name}.wk.weight", head, ((0, head, "key"),)),
+        )
+        attentions.append(ClippedAttention(f"{name}.inner_attention", attention.heads, rows))
+    return attentions

@@ -15,7 +15,9 @@ FSDP2 + AdamW runs with the fused kernel (``adamw_fused``: TorchTitan's default
 ratio and goal) and with torch's default kernels (``adamw``: a for-loop on CPU). DMuon runs
 with the reference Newton-Schulz (``dmuon_z3``, ``dmuon_z2``: ``ns_backend = "torch"``) and
 with the measured choice (``*_auto``: ``ns_backend = "auto"``), and as NorMuon
-(``dmuon_z3_normuon``: ``variant = "normuon"``, its normalization the ``normuon`` phase), in
+(``dmuon_z3_normuon``: ``variant = "normuon"``, its normalization the ``normuon`` phase) and
+with QK-clip at Kimi K2's threshold 100 (``dmuon_z3_qkclip``: its forward max-logit pass
+the ``qk max logits`` phase, its rescaling ``qk clip``), in
 ``ns_dtype = "auto"`` unless ``--ns-dtype`` names one. For every DMuon mode a few more
 steps run under ``torch.profiler`` and the engine's and optimizer's ranges give a per-rank
 breakdown of the optimizer step (gradients unpacked, momentum, Newton-Schulz, NorMuon's
@@ -50,7 +52,12 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_model import BenchTransformer, matrix_predicate, ns_to_compute_ratio  # noqa: E402
+from bench_model import (  # noqa: E402
+    BenchTransformer,
+    matrix_predicate,
+    ns_to_compute_ratio,
+    qk_clip_attentions,
+)
 from naive_muon import NaiveFSDPMuon  # noqa: E402
 from peers import PEERS, peer_status  # noqa: E402
 
@@ -70,18 +77,22 @@ BASE_MODES = [
     "dmuon_z3_auto",
     "dmuon_z2_auto",
     "dmuon_z3_normuon",
+    "dmuon_z3_qkclip",
 ]
 HSDP_MODES = ["hsdp_sync", "hsdp_async"]
 MUON_LR, ADAMW_LR, MOMENTUM = 0.02, 3e-3, 0.95
+QK_CLIP_THRESHOLD = 100.0  # Kimi K2's
 
-# Profiler ranges of the breakdown: (phase, range name). The reduce wait ends backward;
-# the others are inside the optimizer step.
+# Profiler ranges of the breakdown: (phase, range name). The reduce wait ends backward and
+# QK-clip's max logits are in forward; the others are inside the optimizer step.
 PHASES = (
     ("reduce wait", "dmuon::finish_reduces"),
     ("unpack", "dmuon::owned_grads"),
     ("momentum", "muon::momentum"),
     ("newton_schulz", "muon::newton_schulz"),
     ("normuon", "muon::normuon"),
+    ("qk max logits", "muon::qk_max_logits"),
+    ("qk clip", "muon::qk_clip"),
     ("update", "muon::update"),
     ("adamw", "Optimizer.step#AdamW.step"),
     ("after step", "dmuon::after_step"),
@@ -150,6 +161,9 @@ def _build(mode: str, args, world: int, device: torch.device):
             adamw_lr=ADAMW_LR,
             replicate_async=mode == "hsdp_async",
             variant="normuon" if mode.endswith("_normuon") else "muon",
+            qk_clip=dmuon.QKClip(model, qk_clip_attentions(model), QK_CLIP_THRESHOLD)
+            if mode.endswith("_qkclip")
+            else None,
         )
     return model, opt
 
@@ -468,6 +482,15 @@ def goals(summary: dict, skipped: dict[str, str]) -> list[tuple[str, bool | None
                 "NorMuon step <= 1.05x DMuon Z3's (its normalization, same ownership)",
                 normuon["step_ms"] <= 1.05 * z3["step_ms"],
                 f"{normuon['step_ms'] / z3['step_ms']:.3f}x",
+            )
+        )
+    if "dmuon_z3_qkclip" in rows:
+        qk_clip = rows["dmuon_z3_qkclip"]
+        out.append(
+            (
+                "QK-clip step <= 1.05x DMuon Z3's (its max-logit pass and the clip)",
+                qk_clip["step_ms"] <= 1.05 * z3["step_ms"],
+                f"{qk_clip['step_ms'] / z3['step_ms']:.3f}x",
             )
         )
     for peer in PEERS:

@@ -17,6 +17,7 @@ def test_bench_step_counts(tmp_path):
         "--layers", "2", "--heads", "4", "--vocab", "256", "--seq", "16", "--rounds", "1",
         "--steps-per-round", "1", "--out", str(tmp_path),
         "--modes", "adamw_fused", "naive_muon", "dmuon_z3", "dmuon_z2", "dmuon_z3_normuon",
+        "dmuon_z3_qkclip",
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -53,6 +54,12 @@ def test_bench_step_counts(tmp_path):
     assert all(r["normuon"] > 0 for r in normuon["step_breakdown"]["per_rank_ms"])
     assert all(r["normuon"] == 0 for r in rows["dmuon_z3"]["step_breakdown"]["per_rank_ms"])
     assert normuon["final_loss"] != rows["dmuon_z3"]["final_loss"]
+    # QK-clip: the max-logit pass profiled in every rank's forward, one MAX all-reduce of
+    # 2 layers x 4 heads fp32 maxima per step more; at threshold 100 nothing clips.
+    qk_clip = rows["dmuon_z3_qkclip"]
+    assert all(r["qk max logits"] > 0 for r in qk_clip["step_breakdown"]["per_rank_ms"])
+    assert qk_clip["total_bytes_per_rank"] == rows["dmuon_z3"]["total_bytes_per_rank"] + 2 * 4 * 4
+    assert qk_clip["final_loss"] == rows["dmuon_z3"]["final_loss"]
     assert rows["adamw_fused"]["ratio_to_adamw_fused"] == 1.0
     assert result["ns_dtype"] in ("float32", "bfloat16")
     assert torch.backends.cpu.get_cpu_capability() in result["machine"]
