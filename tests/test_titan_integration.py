@@ -1,5 +1,8 @@
 """TorchTitan integration tests, in TorchTitan's style: a table of cases, each one or more
-real training runs through ./run_train.sh on CPU (gloo), asserting on the logged losses.
+real training runs on CPU (gloo), asserting on the logged losses. The runs go through
+tests/launcher.py (ranks forked from a process that imported the trainer once, in
+torchrun's environment); the tests of ./run_train.sh itself (its default, the config
+named last, several nodes) launch it.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.launcher import Launcher
 from torchtitan_dmuon.titan.parallelize import resolve_selection
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,6 +46,8 @@ class OverrideDefinitions:
     log_rank: int = 0
     """The rank whose log is read (under pipeline parallelism: one holding the last stage,
     the only one that logs the loss)."""
+    via: str = "launcher"
+    """How its runs start: "launcher" (tests/launcher.py) or "run_train.sh"."""
     shared: tuple[int, ...] = ()
     """Runs (by index) that other tests launch with the same arguments too: launched once
     per session through :func:`shared_run`, and linked as ``run{i}`` into this case's
@@ -89,11 +95,30 @@ def finished_run(returncode: int, output: str, dump: Path) -> Run:
     return Run(returncode, output, losses, dump)
 
 
-def run_train(args: list[str], ngpu: int, dump: Path, config_file: str, log_rank: int = 0) -> Run:
+_LAUNCHER = Launcher()
+
+
+def run_train(
+    args: list[str],
+    ngpu: int,
+    dump: Path,
+    config_file: str,
+    log_rank: int = 0,
+    via: str = "launcher",
+) -> Run:
+    """One training run into ``dump``, through tests/launcher.py or, with ``via`` set to
+    "run_train.sh", as a user starts it."""
+    env = train_env(ngpu, dump, log_rank)
+    if via == "launcher":
+        command = train_command(args, dump, config_file)[1:]
+        code, output = _LAUNCHER.launch(command, ngpu, env, Path(env["PET_LOG_DIR"]), 900)
+        return finished_run(code, output, dump)
+    if via != "run_train.sh":
+        raise ValueError(f"via must be 'launcher' or 'run_train.sh', got {via!r}")
     proc = subprocess.run(
         train_command(args, dump, config_file),
         cwd=ROOT,
-        env=train_env(ngpu, dump, log_rank),
+        env=env,
         capture_output=True,
         text=True,
         timeout=900,
@@ -120,15 +145,16 @@ def shared_run(
     factory: pytest.TempPathFactory,
     config_file: str = "train_configs/debug_cpu.toml",
     log_rank: int = 0,
+    via: str = "launcher",
 ) -> Run:
     """:func:`run_train` for a run that several tests assert on (each launch costs 20-40 s
     of start-up on CPU): launched once per session, by the first test that asks for these
     arguments, into a folder of the session's; later tests get the same :class:`Run`."""
     assert not any("{dump}" in a for a in args), "a shared run has no case folder"
-    key = (tuple(args), ngpu, config_file, log_rank)
+    key = (tuple(args), ngpu, config_file, log_rank, via)
     if key not in _SHARED_RUNS:
         dump = factory.mktemp("shared") / "run"
-        _SHARED_RUNS[key] = run_train(list(args), ngpu, dump, config_file, log_rank)
+        _SHARED_RUNS[key] = run_train(list(args), ngpu, dump, config_file, log_rank, via)
     return _SHARED_RUNS[key]
 
 
@@ -140,10 +166,11 @@ def run_case(
     runs = []
     for i, (args, ngpu) in enumerate(zip(case.override_args, ngpus, strict=True)):
         if i in case.shared:
-            run = shared_run(args, ngpu, factory, case.config_file, case.log_rank)
+            run = shared_run(args, ngpu, factory, case.config_file, case.log_rank, case.via)
             (tmp_path / f"run{i}").symlink_to(run.dump, target_is_directory=True)
         else:
-            run = run_train(args, ngpu, tmp_path / f"run{i}", case.config_file, case.log_rank)
+            dump = tmp_path / f"run{i}"
+            run = run_train(args, ngpu, dump, case.config_file, case.log_rank, case.via)
         assert run.returncode == 0, f"{case.test_name} run {i} failed:\n{run.output[-4000:]}"
         assert run.losses and all(math.isfinite(v) for v in run.losses.values()), run.output[-2000:]
         runs.append(run)
@@ -236,6 +263,7 @@ CASES = {
         "modules as hook boundaries; checkpoint at step 3 and resume bit-exact",
         "moe",
         shared=(0,),
+        via="run_train.sh",  # its first run is test_config_file_named_last_is_used's
     ),
     "adamw_baseline": OverrideDefinitions(
         [ADAMW],
@@ -284,7 +312,7 @@ def test_integration(name, tmp_path, tmp_path_factory):
 
 def test_default_config_loss_falls(tmp_path):
     """./run_train.sh with no argument: the embedded default trains and its loss falls."""
-    run = run_train([], 2, tmp_path / "default", "train_configs/debug_cpu.toml")
+    run = run_train([], 2, tmp_path / "default", "train_configs/debug_cpu.toml", via="run_train.sh")
     assert run.returncode == 0, run.output[-4000:]
     steps = sorted(run.losses)
     assert steps[-1] == 60
@@ -365,7 +393,7 @@ def test_train_configs_parse():
 def test_config_file_named_last_is_used(tmp_path_factory):
     """TorchTitan's parser keeps the first --job.config_file; run_train.sh the last: the moe
     case's first run names debug_cpu.toml, then llama4_debug_moe.toml, and trains llama4."""
-    run = shared_run(MOE_SAVING, 2, tmp_path_factory)
+    run = shared_run(MOE_SAVING, 2, tmp_path_factory, via="run_train.sh")
     assert run.returncode == 0, run.output[-3000:]
     assert "Building llama4 debugmodel" in run.output and "Building llama3" not in run.output
 

@@ -115,7 +115,7 @@ def test_two_nodes_equal_one_launch(tmp_path):
     replicate broadcast) follow one 4-process launch to the printed digits over 4 steps,
     with a static rendezvous (node r holds global ranks 2r and 2r + 1) and through the
     slurm script's c10d rendezvous (the nodes hold ranks 0-1 and 2-3 in join order)."""
-    single = run_train(ARGS, 4, tmp_path / "single", CONFIG)
+    single = run_train(ARGS, 4, tmp_path / "single", CONFIG, via="run_train.sh")
     assert single.returncode == 0, single.output[-3000:]
     assert sorted(single.losses) == [1, 2, 3, 4]
     node0, node1 = _two_static_nodes(tmp_path)
