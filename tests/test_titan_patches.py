@@ -54,3 +54,24 @@ def test_trainer_undoes_every_patch_after_training_and_after_an_error(tmp_path):
     assert "ns_backend='triton' needs" in (probe["failing_error"] or ""), probe
     assert probe["after_failing"] and all(probe["after_failing"].values()), probe
     assert probe["torch_originals"]
+
+
+def test_cpu_offload_asks_for_gloo_once():
+    """On CPU, --training.enable_cpu_offload's extra CPU backend made TorchTitan ask for
+    "cpu:gloo,cpu:gloo", which torch refuses ("Duplicate device type cpu"): the CPU layer
+    asks for the device's backend (gloo) alone, and passes everything else on."""
+    from torchtitan.config.job_config import Comm
+
+    from torchtitan_dmuon.titan.cpu import _cpu_init_distributed
+
+    seen = {}
+
+    def init_distributed(comm_config, enable_cpu_backend=False, base_folder="", ranks=None):
+        seen.update(enable_cpu_backend=enable_cpu_backend, base_folder=base_folder)
+        return 2
+
+    wrapped = _cpu_init_distributed(init_distributed)
+    assert wrapped(Comm(), enable_cpu_backend=True, base_folder="dump") == 2
+    assert seen == {"enable_cpu_backend": False, "base_folder": "dump"}
+    assert wrapped(Comm(), True, "dump2") == 2
+    assert seen == {"enable_cpu_backend": False, "base_folder": "dump2"}

@@ -14,7 +14,8 @@ TorchTitan targets accelerators. On a machine without one (CI, laptops) this lay
 * lets MoE routers count tokens (``torch.histc`` has no integer CPU kernel), keeps
   qwen3's MoE off the Triton-only grouped-GEMM padding path and permutes the tokens of
   expert parallelism with TorchTitan's CPU implementation, not its Triton kernel;
-* turns the c10d flight recorder off unless the user sized it (it fragments the heap).
+* turns the c10d flight recorder off unless the user sized it (it fragments the heap),
+  and asks for gloo once under CPU offloading;
 
 :func:`enable_cpu_support` applies it only when no CUDA device is present (GPU runs never
 go through it), through the trainer's :class:`~torchtitan_dmuon.titan.patches.PatchRegistry`,
@@ -102,9 +103,14 @@ class _ProfileWithoutMissingActivities(torch.profiler.profile):
         super().__init__(*args, activities=activities, **kwargs)
 
 
-def _without_default_flight_recorder(init_distributed):
-    """TorchTitan's ``init_distributed`` with the c10d flight recorder off unless the user
-    sized it (``--comm.trace_buf_size`` other than TorchTitan's default).
+def _cpu_init_distributed(init_distributed):
+    """TorchTitan's ``init_distributed`` for CPU: gloo alone, and the c10d flight recorder
+    off unless the user sized it (``--comm.trace_buf_size`` other than TorchTitan's
+    default).
+
+    CPU offloading (``--training.enable_cpu_offload``) asks for a CPU backend beside the
+    device's, ``"cpu:gloo,cpu:gloo"`` when the device is the CPU, which torch refuses: on
+    CPU the device's gloo serves both.
 
     The recorder keeps a small entry per collective for the next ``trace_buf_size``
     collectives. On CPU those long-lived entries land between the blocks a step frees
@@ -119,7 +125,8 @@ def _without_default_flight_recorder(init_distributed):
     default_size = Comm().trace_buf_size
 
     @functools.wraps(init_distributed)
-    def wrapper(comm_config, *args, **kwargs):
+    def wrapper(comm_config, enable_cpu_backend=False, *args, **kwargs):
+        del enable_cpu_backend  # on CPU the device's gloo serves offloading too
         if comm_config.trace_buf_size == default_size:
             comm_config.trace_buf_size = 0
             logger.info(
@@ -127,7 +134,7 @@ def _without_default_flight_recorder(init_distributed):
                 "--comm.trace_buf_size N other than %d turns it on",
                 default_size,
             )
-        return init_distributed(comm_config, *args, **kwargs)
+        return init_distributed(comm_config, False, *args, **kwargs)
 
     return wrapper
 
@@ -169,7 +176,7 @@ def enable_cpu_support(patches: PatchRegistry) -> bool:
     patches.setattr(
         dist_utils,
         "init_distributed",
-        _without_default_flight_recorder(dist_utils.init_distributed),
+        _cpu_init_distributed(dist_utils.init_distributed),
     )
     logger.info("TorchTitan CPU support enabled: device cpu, gloo, SUM reductions")
     return True
