@@ -181,7 +181,10 @@ class Launcher:
                        "timeout": timeout}  # fmt: skip
             self._server.stdin.write(json.dumps(request) + "\n")
             self._server.stdin.flush()
-            answer = json.loads(self._server.stdout.readline())
+            line = self._server.stdout.readline()
+            if not line:
+                raise RuntimeError(f"tests.launcher: the server exited ({self._server.wait()})")
+            answer = json.loads(line)
         shown = [int(r) for r in env.get("LOG_RANK", "0").split(",")]
         output = []
         for rank in shown:
