@@ -54,7 +54,8 @@ def split_args(args: list[str]) -> tuple[str, list[str]]:
     return config, overrides
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -102,7 +103,7 @@ def _run_rank(rank: int, world: int, port: int, request: dict, log: Path) -> Non
 
 def _launch(request: dict) -> dict:
     world, logs = request["ngpu"], Path(request["logs"])
-    port = _free_port()
+    port = free_port()
     pids = {}
     for rank in range(world):
         pid = os.fork()

@@ -7,12 +7,12 @@ static rendezvous (``NODE_RANK``, ``MASTER_ADDR``), once through
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from tests.launcher import free_port
 from tests.test_titan_integration import (
     ROOT,
     finished_run,
@@ -31,12 +31,6 @@ ARGS = [
     "--dmuon.replicate_async",
 ]  # fmt: skip
 FAKE_SLURM = ROOT / "tests" / "fake_slurm"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait(procs: list[subprocess.Popen], logs: list[Path], dumps: list[Path]) -> list:
@@ -59,7 +53,7 @@ def _wait(procs: list[subprocess.Popen], logs: list[Path], dumps: list[Path]) ->
 def _two_static_nodes(tmp_path: Path) -> list:
     """Node r: ``NNODES=2 NODE_RANK=r MASTER_ADDR=127.0.0.1`` (global ranks 2r, 2r + 1),
     sharing one dump folder as nodes share a file system."""
-    port = str(_free_port())
+    port = str(free_port())
     dump = tmp_path / "static"
     procs, logs, dumps = [], [], []
     for node in range(2):
@@ -96,7 +90,7 @@ def _slurm_job(tmp_path: Path):
         SLURM_JOB_NUM_NODES="2",
         SLURM_JOB_ID="4242",
         SLURM_SUBMIT_DIR=str(ROOT),
-        MASTER_PORT=str(_free_port()),
+        MASTER_PORT=str(free_port()),
         LOGLEVEL="INFO",  # torchrun's agents log the global ranks of their node
     )
     log = tmp_path / "slurm.log"

@@ -3,25 +3,19 @@
 name is the original again (``tests/trainer_patches_probe.py`` runs both in one process)."""
 
 import json
-import socket
 import subprocess
 import sys
 
+from tests.launcher import free_port
 from tests.test_titan_integration import ROOT, train_env
 
 ONE_STEP = ["--training.steps", "1", "--dmuon.ns_dtype", "float32", "--dmuon.ns_backend", "torch"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_trainer_undoes_every_patch_after_training_and_after_an_error(tmp_path):
     dump = tmp_path / "run"
     env = train_env(1, dump, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     args = [
         "--job.config_file", "train_configs/debug_cpu.toml",
         "--job.custom_config_module", "torchtitan_dmuon.titan.config",
