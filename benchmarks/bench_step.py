@@ -673,7 +673,9 @@ def main() -> None:
         results = json.loads(Path(result_path).read_text())
     summary = summarize(results, args.modes)
     checks = (
-        goals(summary, skipped) if {"dmuon_z3", "naive_muon", BASELINE} <= set(args.modes) else []
+        goals(summary, skipped)
+        if {"dmuon_z3", "dmuon_z2", "naive_muon", BASELINE} <= set(args.modes)
+        else []
     )
     print_table(summary, skipped, checks)
     record = {
