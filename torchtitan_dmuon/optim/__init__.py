@@ -1,5 +1,5 @@
-"""Optimizer math: Newton-Schulz, its backends, the functional Muon update and NorMuon's
-normalization.
+"""Optimizer math: Newton-Schulz, its backends, the functional Muon update, NorMuon's
+normalization and QK-clip's per-head maxima and rescaling (``qk_clip``).
 
 Nothing here imports ``torch.distributed``.
 """
