@@ -15,7 +15,7 @@ def test_bench_step_counts(tmp_path):
     cmd = [
         sys.executable, "benchmarks/bench_step.py", "--nproc", "2", "--dim", "64",
         "--layers", "2", "--heads", "4", "--vocab", "256", "--seq", "16", "--rounds", "1",
-        "--steps-per-round", "1", "--out", str(tmp_path),
+        "--steps-per-round", "1", "--breakdown-steps", "1", "--out", str(tmp_path),
         "--modes", "adamw_fused", "naive_muon", "dmuon_z3", "dmuon_z2", "dmuon_z3_normuon",
         "dmuon_z3_qkclip",
     ]  # fmt: skip
