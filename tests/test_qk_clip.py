@@ -248,13 +248,21 @@ def test_maximum_falls_to_the_threshold_at_the_next_step():
 
 
 def test_invalid_settings_name_the_argument():
+    """Bad settings and layouts raise in the constructors, naming what is wrong."""
     model = heads_model()
+    QUERY = ((0, 8, "query"),)
     with pytest.raises(ValueError, match="threshold must be a positive number"):
         QKClip(model, attentions(), 0.0)
     with pytest.raises(ValueError, match=r"alpha must be in \[0, 1\]"):
         QKClip(model, attentions(), 1.0, alpha=1.5)
     with pytest.raises(ValueError, match="layers.0.q_proj.weight is not a Muon matrix"):
         Muon(model, predicate=lambda n, p: "up" in n, qk_clip=QKClip(model, attentions(), 1.0))
+    twelve_rows = [
+        ClippedAttention(a.module, a.query_heads, (HeadRows(a.weights[0].name, 12, QUERY),))
+        for a in attentions()
+    ]
+    with pytest.raises(ValueError, match="layers.0.q_proj.weight has 32 rows here, not whole"):
+        Muon(model, predicate=proj_predicate, qk_clip=QKClip(model, twelve_rows, 1.0))
     clip = QKClip(model, attentions(), 1.0)
     with pytest.raises(ValueError, match="4 query heads on this rank"):
         clip.record("layers.0.attend", torch.zeros(3))

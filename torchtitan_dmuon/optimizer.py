@@ -191,6 +191,13 @@ class Muon(torch.optim.Optimizer):
                     "rescales the query and key projections on their owner after Muon's "
                     "update); select it for Muon or leave it out of the clipped attentions"
                 )
+            if self.dedication is not None:
+                local = {d.name: d.layout.local_shape[0] for d in self.dedication.plan.params}
+            else:
+                local = {
+                    n: (p.to_local() if isinstance(p, DTensor) else p).shape[0] for n, p in selected
+                }
+            qk_clip.check_rows(local)
         if replicate_async and (
             self.dedication is None or self.dedication.exchange.replicas is None
         ):

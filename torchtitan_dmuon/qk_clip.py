@@ -105,7 +105,26 @@ class QKClip:
 
     @property
     def weight_names(self) -> list[str]:
+        """The query and key weights it rescales, by name."""
         return [rows.name for a in self.attentions for rows in a.weights]
+
+    def check_rows(self, local_rows: dict[str, int]) -> None:
+        """Check that each weight's rows on this rank (``local_rows`` by name: its
+        tensor-parallel shard's) are whole heads serving whole groups of the attention's
+        query heads, before a step could fail half-way on one rank.
+
+        Raises:
+            ValueError: Naming the weight and its layout.
+        """
+        for attention in self.attentions:
+            for rows in attention.weights:
+                heads, rest = divmod(local_rows[rows.name], rows.rows_per_head)
+                if rest or heads == 0 or attention.query_heads % heads:
+                    raise ValueError(
+                        f"qk_clip: {rows.name} has {local_rows[rows.name]} rows here, not "
+                        f"whole heads of {rows.rows_per_head} rows serving "
+                        f"{attention.query_heads} query heads"
+                    )
 
     def _observer(self, attention: ClippedAttention):
         def observe(module, args, kwargs) -> None:
