@@ -475,24 +475,20 @@ def goals(summary: dict, skipped: dict[str, str]) -> list[tuple[str, bool | None
                     f"({row['ratio_to_adamw_fused']:.3f}x fused AdamW)",
                 )
             )
-    if "dmuon_z3_normuon" in rows:
-        normuon = rows["dmuon_z3_normuon"]
-        out.append(
-            (
-                "NorMuon step <= 1.05x DMuon Z3's (its normalization, same ownership)",
-                normuon["step_ms"] <= 1.05 * z3["step_ms"],
-                f"{normuon['step_ms'] / z3['step_ms']:.3f}x",
+    variants = (
+        ("dmuon_z3_normuon", "NorMuon", "its normalization, same ownership"),
+        ("dmuon_z3_qkclip", "QK-clip", "its max-logit pass and the clip"),
+    )
+    for mode, name, why in variants:
+        if mode in rows:
+            step_ms = rows[mode]["step_ms"]
+            out.append(
+                (
+                    f"{name} step <= 1.05x DMuon Z3's ({why})",
+                    step_ms <= 1.05 * z3["step_ms"],
+                    f"{step_ms / z3['step_ms']:.3f}x",
+                )
             )
-        )
-    if "dmuon_z3_qkclip" in rows:
-        qk_clip = rows["dmuon_z3_qkclip"]
-        out.append(
-            (
-                "QK-clip step <= 1.05x DMuon Z3's (its max-logit pass and the clip)",
-                qk_clip["step_ms"] <= 1.05 * z3["step_ms"],
-                f"{qk_clip['step_ms'] / z3['step_ms']:.3f}x",
-            )
-        )
     for peer in PEERS:
         if peer in rows:
             out.append(
