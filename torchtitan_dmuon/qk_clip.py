@@ -88,6 +88,7 @@ class QKClip:
         self.alpha = float(alpha)
         self.chunk_elements = chunk_elements
         self.attentions = list(attentions)
+        self._by_module = {a.module: a for a in self.attentions}
         self.max_logit: torch.Tensor | None = None
         self.clipped_heads: torch.Tensor | None = None
         self._maxima: dict[str, torch.Tensor] = {}
@@ -118,13 +119,7 @@ class QKClip:
         """
         for attention in self.attentions:
             for rows in attention.weights:
-                heads, rest = divmod(local_rows[rows.name], rows.rows_per_head)
-                if rest or heads == 0 or attention.query_heads % heads:
-                    raise ValueError(
-                        f"qk_clip: {rows.name} has {local_rows[rows.name]} rows here, not "
-                        f"whole heads of {rows.rows_per_head} rows serving "
-                        f"{attention.query_heads} query heads"
-                    )
+                rows.heads(local_rows[rows.name], attention.query_heads)
 
     def _observer(self, attention: ClippedAttention):
         def observe(module, args, kwargs) -> None:
@@ -155,7 +150,7 @@ class QKClip:
         Raises:
             ValueError: ``module`` is not watched, or the maxima are not one per head.
         """
-        attention = next((a for a in self.attentions if a.module == module), None)
+        attention = self._by_module.get(module)
         if attention is None:
             raise ValueError(f"qk_clip: {module} is not a watched attention module")
         if max_logits.shape != (attention.query_heads,):

@@ -78,6 +78,22 @@ class HeadRows:
                     f"{self.rows_per_head} rows"
                 )
 
+    def heads(self, local_rows: int, query_heads: int) -> int:
+        """The heads ``local_rows`` rows of this weight hold (its tensor-parallel shard's),
+        serving ``query_heads`` query heads.
+
+        Raises:
+            ValueError: The rows are not whole heads, or the query heads not whole groups
+                of them.
+        """
+        heads, rest = divmod(local_rows, self.rows_per_head)
+        if rest or heads == 0 or query_heads % heads:
+            raise ValueError(
+                f"qk_clip: {self.name} has {local_rows} rows here, not whole heads of "
+                f"{self.rows_per_head} rows serving {query_heads} query heads"
+            )
+        return heads
+
     def exponent(self, role: str, alpha: float) -> float:
         return {"query": alpha, "key": 1.0 - alpha, "query_of_shared_key": 1.0}[role]
 
@@ -164,12 +180,7 @@ def scale_head_rows(
         rows: The weight's layout per head.
         alpha: The query's share of the exponent, in ``[0, 1]``.
     """
-    heads, rest = divmod(weight.shape[0], rows.rows_per_head)
-    if rest or heads == 0 or factors.numel() % heads:
-        raise ValueError(
-            f"QK-clip {rows.name}: {weight.shape[0]} rows are not whole heads of "
-            f"{rows.rows_per_head} rows serving {factors.numel()} query heads"
-        )
+    heads = rows.heads(weight.shape[0], factors.numel())
     per_head = factors.view(heads, -1).amin(dim=1).to(weight.dtype)
     view = weight.view(heads, rows.rows_per_head, -1)
     for start, stop, role in rows.parts:

@@ -171,8 +171,11 @@ class DMuonTrainer(Trainer):
             "dmuon/broadcast_mb": mb("broadcast"),
             "dmuon/owner_balance": max((d.balance() for d in self.dedications), default=1.0),
         }
-        clips = [o.qk_clip for o in self.optimizers.optimizers if o.qk_clip is not None]
-        clips = [c for c in clips if c.max_logit is not None]
+        clips = [
+            o.qk_clip
+            for o in self.optimizers.optimizers
+            if o.qk_clip is not None and o.qk_clip.max_logit is not None
+        ]
         if clips:  # the last step's, over this rank's stages (and all their TP ranks' heads)
             metrics["dmuon/qk_max_logit"] = max(c.max_logit.item() for c in clips)
             metrics["dmuon/qk_clipped_heads"] = sum(int(c.clipped_heads) for c in clips)
