@@ -4,6 +4,11 @@
 gloo group over a file store, run ``fn(rank, world_size, *args)`` and send back its return
 value. A rank that raises fails the test with its traceback; a run that does not finish
 in ``timeout`` seconds (a hang) is killed and fails the test.
+
+The ranks are forked from multiprocessing's forkserver, which imports torch, the engine
+and the test workers once per session: a spawned rank imports them again, ~6 CPU-seconds
+per process, more than most of these tests compute. A forkserver runs no torch operation,
+so its children fork before any thread pool exists, as spawned ones start without one.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import traceback
 import torch
 
 DEFAULT_TIMEOUT = 240
+_CONTEXT = mp.get_context("forkserver")
+_CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "tests.workers"])
 
 
 def _worker(fn, rank, world_size, store_path, result_path, args):
@@ -59,12 +66,11 @@ def _dump_stacks(procs, paths) -> str:
 def run_distributed(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the results
     by rank."""
-    ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         paths = [os.path.join(tmp, f"rank{r}.pt") for r in range(world_size)]
         procs = [
-            ctx.Process(target=_worker, args=(fn, r, world_size, store, paths[r], args))
+            _CONTEXT.Process(target=_worker, args=(fn, r, world_size, store, paths[r], args))
             for r in range(world_size)
         ]
         for p in procs:
