@@ -29,8 +29,13 @@ _CONTEXT = mp.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "tests.workers"])
 
 
-def _worker(fn, rank, world_size, store_path, result_path, args):
+def _worker(fn, rank, world_size, store_path, result_path, env, args):
     import torch.distributed as dist
+
+    # The test's environment now, as a spawned rank would get it, not the forkserver's
+    # (started by whichever test first ran ranks, under its monkeypatched variables).
+    os.environ.clear()
+    os.environ.update(env)
 
     # On a hang the parent sends SIGUSR1 and reports where every thread of every rank waits.
     stacks = open(result_path + ".stacks", "w")  # noqa: SIM115 - open until the process ends
@@ -69,8 +74,9 @@ def run_distributed(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         paths = [os.path.join(tmp, f"rank{r}.pt") for r in range(world_size)]
+        env = dict(os.environ)
         procs = [
-            _CONTEXT.Process(target=_worker, args=(fn, r, world_size, store, paths[r], args))
+            _CONTEXT.Process(target=_worker, args=(fn, r, world_size, store, paths[r], env, args))
             for r in range(world_size)
         ]
         for p in procs:
