@@ -34,6 +34,7 @@ from torchtitan_dmuon.engine.agreement import (
 )
 from torchtitan_dmuon.engine.comm import mesh_device
 from torchtitan_dmuon.engine.geometry import ns_workload
+from torchtitan_dmuon.engine.param_layout import local_tensor
 from torchtitan_dmuon.engine.selection import select_matrices
 from torchtitan_dmuon.optim.muon import ADJUST_LR_FNS, apply_muon_update, muon_update
 from torchtitan_dmuon.optim.newton_schulz import EPS, matrix_count, resolve_ns_schedule
@@ -194,9 +195,7 @@ class Muon(torch.optim.Optimizer):
             if self.dedication is not None:
                 local = {d.name: d.layout.local_shape[0] for d in self.dedication.plan.params}
             else:
-                local = {
-                    n: (p.to_local() if isinstance(p, DTensor) else p).shape[0] for n, p in selected
-                }
+                local = {n: local_tensor(p).shape[0] for n, p in selected}
             qk_clip.check_rows(local)
         if replicate_async and (
             self.dedication is None or self.dedication.exchange.replicas is None
@@ -421,9 +420,7 @@ class Muon(torch.optim.Optimizer):
             masters = {entry.name: master for entry, master in owned if entry.name in names}
         else:
             masters = {
-                name: p.to_local() if isinstance(p, DTensor) else p
-                for name, p in self._named_params.items()
-                if name in names
+                name: local_tensor(p) for name, p in self._named_params.items() if name in names
             }
         with record_function("muon::qk_clip"):
             self.qk_clip.clip(maxima, masters)

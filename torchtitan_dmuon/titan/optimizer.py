@@ -21,10 +21,10 @@ import time
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torchtitan.components.optimizer import OptimizersContainer
 
 from torchtitan_dmuon.engine import clip_grad_norm_, get_dedication
+from torchtitan_dmuon.engine.param_layout import local_tensor
 from torchtitan_dmuon.optim.normuon import second_moment_shape
 from torchtitan_dmuon.optimizer import SECOND_MOMENT, Muon
 from torchtitan_dmuon.titan.checkpoint import as_saved, load_state_into
@@ -139,7 +139,7 @@ class DMuonOptimizersContainer(OptimizersContainer):
         for model in self.model_parts:
             grads = [p.grad for p in model.parameters() if p.grad is not None]
             for g in grads:  # one-element divisor: no host sync, any device
-                (g.to_local() if isinstance(g, DTensor) else g).div_(divisor)
+                local_tensor(g).div_(divisor)
             dedication = get_dedication(model)
             if dedication is not None:
                 dedication.divide_owned_grads(divisor)
