@@ -6,11 +6,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.ns_verdict
 def test_bench_step_counts(tmp_path):
     cmd = [
         sys.executable, "benchmarks/bench_step.py", "--nproc", "2", "--dim", "64",

@@ -3,6 +3,7 @@ by every rank of a job."""
 
 import logging
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,9 +29,13 @@ SCHEDULE = resolve_ns_schedule("quintic", 5)
 
 
 @pytest.fixture(autouse=True)
-def _fresh_choices(monkeypatch, tmp_path):
+def _fresh_choices(monkeypatch):
+    """No choice made before the test is seen by it, none made in it outlives it: no
+    backend picked, the dtype probe to run again (conftest gives it an empty cache)."""
     monkeypatch.setattr(ns_backends, "_auto_choices", {})
-    monkeypatch.setenv("TORCHTITAN_DMUON_CACHE_DIR", str(tmp_path / "cache"))
+    ns_dtype._probed_ns_dtype.cache_clear()
+    yield
+    ns_dtype._probed_ns_dtype.cache_clear()
 
 
 def _randn(*shape, seed=0):
@@ -144,7 +149,7 @@ def test_timings_are_cached_on_disk_and_a_second_call_measures_nothing(monkeypat
     second, measured = timings_for(shapes, SCHEDULE, eps=1e-7, dtype=torch.float32, device=cpu)
     assert measured == 0 and calls == shapes and second == first
     path = ns_cache.cache_path()
-    assert path.parent == tmp_path / "cache"
+    assert path.parent == Path(os.environ["TORCHTITAN_DMUON_CACHE_DIR"])
     key = ns_cache.timing_key(ns_cache.device_key(cpu), (64, 192), torch.float32, 5)
     assert torch.__version__ in key and torch.backends.cpu.get_cpu_capability() in key
     assert ns_cache.load_timings()[key] == first[(64, 192)]
@@ -156,32 +161,67 @@ def test_timings_are_cached_on_disk_and_a_second_call_measures_nothing(monkeypat
     assert measured == 1
 
 
+@pytest.mark.parametrize("order", ["first", "second"])
+def test_each_test_has_an_empty_cache_of_its_own(order):
+    """Whatever ran before (the other parametrization writes an entry) or the user keeps in
+    their own cache, a test starts from an empty timing cache outside the user's home."""
+    path = ns_cache.cache_path()
+    assert not path.exists() and ns_cache.load_timings() == {}
+    assert not path.is_relative_to(Path.home() / ".cache")
+    timings_for([(64, 64)], SCHEDULE, eps=1e-7, dtype=torch.float32, device=torch.device("cpu"))
+    assert len(ns_cache.load_timings()) == 1
+
+
 def test_auto_dtype_is_fp32_without_native_bf16(monkeypatch):
     cpu = torch.device("cpu")
+    monkeypatch.delenv(ns_dtype.VERDICT_ENV, raising=False)  # the probe itself
     monkeypatch.setattr(ns_dtype, "_native_cpu_bf16", lambda: False)
     verdict = ns_dtype.local_ns_dtype(cpu)
     assert verdict.dtype == torch.float32 and "no native bf16" in verdict.reason
     assert torch.backends.cpu.get_cpu_capability() in verdict.reason
     # With bf16 instructions the probe decides: bf16 only if it is not slower.
     monkeypatch.setattr(ns_dtype, "_native_cpu_bf16", lambda: True)
-    monkeypatch.setattr(
-        ns_dtype, "_matmul_ms", lambda dtype, device: {torch.bfloat16: 1.0}.get(dtype, 2.0)
-    )
-    assert ns_dtype.local_ns_dtype(cpu).dtype == torch.bfloat16
-    monkeypatch.setattr(
-        ns_dtype, "_matmul_ms", lambda dtype, device: {torch.bfloat16: 9.0}.get(dtype, 2.0)
-    )
+    for bf16_ms, expected in ((1.0, torch.bfloat16), (9.0, torch.float32)):
+        ns_dtype._probed_ns_dtype.cache_clear()
+        timings = {torch.bfloat16: bf16_ms, torch.float32: 2.0}
+        monkeypatch.setattr(ns_dtype, "_matmul_ms", lambda dtype, device, t=timings: t[dtype])
+        assert ns_dtype.local_ns_dtype(cpu).dtype == expected
+    # Probed once per process: a second call measures nothing.
+    monkeypatch.setattr(ns_dtype, "_matmul_ms", lambda dtype, device: pytest.fail("probed again"))
     assert ns_dtype.local_ns_dtype(cpu).dtype == torch.float32
 
 
-def test_muon_names_a_dtype_or_takes_the_local_verdict(monkeypatch):
-    monkeypatch.setattr(agreement, "_local_verdicts", {})
+@pytest.mark.parametrize("forced", ["bfloat16", "float32"])
+def test_verdict_switch_takes_the_other_kind_of_machines_verdict(monkeypatch, forced, caplog):
+    """TORCHTITAN_DMUON_AUTO_NS_DTYPE is "auto"'s verdict, whatever this CPU would pick,
+    named in the log line; a bad value is refused, naming the variable, when Muon is
+    built (before any collective: the local verdict comes first)."""
+    monkeypatch.setenv(ns_dtype.VERDICT_ENV, forced)
+    monkeypatch.setattr(ns_dtype, "_matmul_ms", lambda dtype, device: pytest.fail("probed"))
+    model = make_model()
+    with caplog.at_level(logging.INFO, logger=agreement.__name__):
+        chosen = Muon(model, predicate=proj_predicate).chosen_ns_dtype
+    assert chosen.dtype == getattr(torch, forced)
+    assert f"{ns_dtype.VERDICT_ENV}={forced}" in chosen.reason
+    assert ns_dtype.cpu_description() in chosen.reason
+    assert f"{ns_dtype.VERDICT_ENV}={forced}" in caplog.text
+    other = {"bfloat16": "float32", "float32": "bfloat16"}[forced]
+    assert ns_dtype.other_verdict(torch.device("cpu")) == other
+    monkeypatch.setenv(ns_dtype.VERDICT_ENV, "bf16")
+    with pytest.raises(ValueError, match=f"{ns_dtype.VERDICT_ENV} must be one of"):
+        Muon(model, predicate=proj_predicate)
+
+
+@pytest.mark.ns_verdict
+def test_muon_names_a_dtype_or_takes_the_local_verdict():
+    """A named dtype is used as named; "auto" takes this process's verdict (the probe's, or
+    the switch's), one per process: the reason is the same line, not a second probe's."""
     model = make_model()
     assert Muon(model, ns_dtype=torch.bfloat16).ns_dtype == torch.bfloat16
     assert Muon(model, ns_dtype="float32").ns_dtype == torch.float32
-    expected = ns_dtype.local_ns_dtype(torch.device("cpu"))
     chosen = Muon(model).chosen_ns_dtype
-    assert chosen.dtype == expected.dtype and chosen.reason == expected.reason
+    assert chosen == ns_dtype.local_ns_dtype(torch.device("cpu"))
+    assert chosen.reason.startswith(ns_dtype.cpu_description())
     with pytest.raises(ValueError, match="ns_dtype must be 'auto' or a floating"):
         Muon(model, ns_dtype="int8")
 

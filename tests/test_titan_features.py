@@ -7,6 +7,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import math
+import os
 import re
 
 import pytest
@@ -28,6 +29,7 @@ from tests.test_titan_integration import (
     OverrideDefinitions,
     run_case,
 )
+from torchtitan_dmuon.optim import ns_dtype
 from torchtitan_dmuon.titan import register
 from torchtitan_dmuon.titan.checkpoint import DMuonModelWrapper
 from torchtitan_dmuon.titan.config import DEFAULT_PARAM_PATTERNS
@@ -392,13 +394,13 @@ def test_float8_fsdp_all_gather(tmp_path, tmp_path_factory):
     )
 
 
-def test_default_config_chooses_ns_dtype_and_backend_once_and_caches(tmp_path, monkeypatch):
+@pytest.mark.ns_verdict
+def test_default_config_chooses_ns_dtype_and_backend_once_and_caches(tmp_path):
     """The default config's ``ns_dtype = "auto"`` and ``ns_backend = "auto"``: the log names
     the dtype and why (fp32 on a CPU without native bf16), agreed by both ranks; the
     backends are picked before step 1 (each of the 3 shapes measured once), and a second
     run finds every timing in the disk cache and measures nothing. (How long the
     measurement takes is a benchmark's figure, not a test's: it varies with the load.)"""
-    monkeypatch.setenv("TORCHTITAN_DMUON_CACHE_DIR", str(tmp_path / "cache"))
     short = ["--training.steps", "2", "--metrics.log_freq", "1"]
     case = OverrideDefinitions([short, short], "defaults", "defaults")
     first, second = run_case(case, tmp_path)
@@ -406,7 +408,10 @@ def test_default_config_chooses_ns_dtype_and_backend_once_and_caches(tmp_path, m
     assert chose, first.output[-3000:]
     capability = torch.backends.cpu.get_cpu_capability()
     assert capability in chose.group(2)
-    if not (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()):
+    forced = os.environ.get(ns_dtype.VERDICT_ENV)
+    if forced:
+        assert chose.group(1) == forced and f"{ns_dtype.VERDICT_ENV}={forced}" in chose.group(2)
+    elif not (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()):
         assert chose.group(1) == "float32" and "no native bf16" in chose.group(2)
     picked = re.compile(
         r"ns_backend='auto' for torch\.\w+ on 2 rank\(s\): (.*) \(this rank: (\d+) shapes "

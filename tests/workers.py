@@ -429,6 +429,37 @@ def reference_setup(ns_dtype=torch.bfloat16):
         muon_module._zeropower_via_newtonschulz = original
 
 
+EXACT_RTOL, EXACT_ATOL = 1e-4, 1e-5
+"""What separates two fp32 runs that differ only in the order gradients are summed (a
+rank's share first, then the ranks'), after Newton-Schulz amplifies it."""
+NS_ULPS = {"torch": 4, "gram": 16}
+"""Units in the last place of the Newton-Schulz dtype by which one element of an
+orthogonalized update may differ from the one-process reference's (torch.optim.Muon's
+loop in the same dtype), by backend. Each iteration rounds its products to that dtype,
+and inputs that differ in their last fp32 bits may round either way; Gram NS iterates on
+X X^T, whose rounding the square of X's condition amplifies (why it restarts)."""
+
+
+def trained_tolerance(
+    ns_dtype: torch.dtype, *, lr: float, steps: int, ns_backend: str = "torch"
+) -> dict:
+    """``torch.testing.assert_close`` tolerances for Muon matrices after ``steps`` steps of
+    (shape-adjusted) learning rate at most ``lr`` with Newton-Schulz in ``ns_dtype`` by
+    ``ns_backend``, against the one-process reference in the same dtype:
+    :data:`EXACT_ATOL` plus :data:`NS_ULPS` ulps of ``ns_dtype`` of every step's update
+    (whose elements are at most about 1: Newton-Schulz leaves no singular value far above
+    1)."""
+    ulp = torch.finfo(ns_dtype).eps
+    return dict(rtol=EXACT_RTOL, atol=EXACT_ATOL + NS_ULPS[ns_backend] * ulp * lr * steps)
+
+
+def loss_tolerance(ns_dtype: torch.dtype) -> dict:
+    """Tolerances of losses computed (in fp32) from matrices within
+    :func:`trained_tolerance`: the exact ones, or one ulp of ``ns_dtype`` relative where
+    that is coarser."""
+    return dict(rtol=max(EXACT_RTOL, torch.finfo(ns_dtype).eps), atol=1e-6)
+
+
 def train_one_process(
     model,
     steps: int,

@@ -37,9 +37,6 @@ __all__ = ["NSBackendReport", "agree_ns_backends", "failed_ranks", "gather_over"
 
 logger = logging.getLogger(__name__)
 
-# The local verdict is measured once per process and device type; agreeing it is per
-# dedication (its ranks differ from one dedication to another).
-_local_verdicts: dict[str, NSDtypeVerdict] = {}
 _logged: set[tuple] = set()
 
 
@@ -76,12 +73,12 @@ def _log_once(key: tuple, message: str, *args) -> None:
 
 
 def job_ns_dtype(device: torch.device, dedication: Dedication | None) -> NSDtypeVerdict:
-    """The Newton-Schulz dtype of ``ns_dtype="auto"``: this process's verdict (probed once
-    per device type), agreed with every rank of ``dedication`` when there is one (a
-    collective: bf16 only if every rank's verdict is bf16). Logged once per process."""
-    if device.type not in _local_verdicts:
-        _local_verdicts[device.type] = local_ns_dtype(device)
-    verdict = _local_verdicts[device.type]
+    """The Newton-Schulz dtype of ``ns_dtype="auto"``: this process's verdict
+    (:func:`~torchtitan_dmuon.optim.ns_dtype.local_ns_dtype`), agreed with every rank of
+    ``dedication`` when there is one (a collective: bf16 only if every rank's verdict is
+    bf16; agreeing is per dedication, whose ranks differ from one to another). Logged
+    once per process."""
+    verdict = local_ns_dtype(device)
     everyone = gather_over(dedication, (verdict.dtype == torch.bfloat16, verdict.reason))
     if dedication is not None:
         slow = [reason for fast, reason in everyone if not fast]

@@ -4,21 +4,42 @@ bf16 halves the bytes of every Newton-Schulz matmul and is what tensor cores and
 native bf16 (AVX512-BF16, AMX) multiply fastest; elsewhere, e.g. a CPU with AVX2 only, a
 bf16 matmul is emulated and runs tens of times slower than fp32. So ``"auto"`` is bf16
 where the device has native bf16 and one short probe confirms that bf16 is not slower
-than fp32, and fp32 everywhere else. The verdict is local to this process; the engine
-makes every rank of a job agree on one (:mod:`torchtitan_dmuon.engine.agreement`).
+than fp32, and fp32 everywhere else. The verdict is local to this process (probed once per
+device); the engine makes every rank of a job agree on one
+(:mod:`torchtitan_dmuon.engine.agreement`).
+
+:data:`VERDICT_ENV` replaces the probe: ``TORCHTITAN_DMUON_AUTO_NS_DTYPE=bfloat16`` makes
+this machine choose as one with native bf16 does, ``=float32`` as an AVX2-only CPU does,
+so that either kind of machine can run what the other would (the test suite runs its
+verdict-sensitive tests both ways).
 
 This module does not import ``torch.distributed``.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 import platform
 import time
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["NSDtypeVerdict", "cpu_description", "local_ns_dtype", "parse_ns_dtype"]
+__all__ = [
+    "VERDICT_ENV",
+    "NSDtypeVerdict",
+    "cpu_description",
+    "forced_ns_dtype",
+    "local_ns_dtype",
+    "other_verdict",
+    "parse_ns_dtype",
+]
+
+VERDICT_ENV = "TORCHTITAN_DMUON_AUTO_NS_DTYPE"
+"""Environment variable that, when set, is ``"auto"``'s verdict instead of the probe's:
+``bfloat16`` or ``float32``."""
+_VERDICTS = ("bfloat16", "float32")
 
 _PROBE_SIDE = 256
 _X86 = {"x86_64", "amd64", "i386", "i686"}
@@ -83,13 +104,48 @@ def _native_cpu_bf16() -> bool:
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
+def forced_ns_dtype() -> torch.dtype | None:
+    """The verdict :data:`VERDICT_ENV` sets, or None when it is unset or empty.
+
+    Raises:
+        ValueError: It is set to anything but ``bfloat16`` or ``float32``.
+    """
+    value = os.environ.get(VERDICT_ENV, "")
+    if not value:
+        return None
+    if value not in _VERDICTS:
+        raise ValueError(f"{VERDICT_ENV} must be one of {_VERDICTS} (or unset), got {value!r}")
+    return getattr(torch, value)
+
+
+def other_verdict(device: torch.device) -> str:
+    """The name of the dtype ``"auto"`` does NOT pick on ``device`` (the probe's verdict,
+    or :data:`VERDICT_ENV`'s): the value of :data:`VERDICT_ENV` that makes this machine
+    choose as the other kind does."""
+    return "float32" if local_ns_dtype(device).dtype == torch.bfloat16 else "bfloat16"
+
+
 def local_ns_dtype(device: torch.device) -> NSDtypeVerdict:
     """What ``"auto"`` picks on ``device`` in this process.
 
-    CUDA: bf16 where the GPU supports it natively. CPU: fp32 unless it has native bf16;
-    then, and on other accelerators, a 256^3 matmul in each dtype decides (bf16 if it
-    is not slower).
+    :data:`VERDICT_ENV`, when set. Otherwise CUDA: bf16 where the GPU supports it
+    natively. CPU: fp32 unless it has native bf16; then, and on other accelerators, a
+    256^3 matmul in each dtype decides (bf16 if it is not slower). The probe runs once
+    per process and device.
+
+    Raises:
+        ValueError: :data:`VERDICT_ENV` holds neither ``bfloat16`` nor ``float32``.
     """
+    forced = forced_ns_dtype()
+    if forced is not None:
+        where = cpu_description() if device.type == "cpu" else device.type
+        name = str(forced).removeprefix("torch.")
+        return NSDtypeVerdict(forced, f"{where}: {VERDICT_ENV}={name} (the probe is skipped)")
+    return _probed_ns_dtype(device)
+
+
+@functools.cache
+def _probed_ns_dtype(device: torch.device) -> NSDtypeVerdict:
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         if torch.cuda.is_bf16_supported(including_emulation=False):
