@@ -323,7 +323,6 @@ def test_a_second_job_reads_the_cache_and_measures_nothing(tmp_path):
     assert sum(r.measured for r in first) >= 3  # 64x64, 128x64, 64x128 among the ranks
     assert all(r.measured == 0 and r.cached > 0 for r in second)
     assert all(r.picks == first[0].picks for r in first + second)
-    assert first[0].seconds < 5 and all(r.seconds < 1 for r in second)
 
 
 def uneven_parts_worker(rank, world):
