@@ -253,10 +253,18 @@ def worker(rank: int, world: int, args, store: str, result_path: str) -> None:
     dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
     device = _device()
     if args.ns_dtype == "auto":
-        # What Muon(ns_dtype="auto") runs here (one machine); naive Muon runs it too.
+        # What Muon(ns_dtype="auto") runs here, agreed by every rank as a dedication agrees
+        # it (bf16 only if all say bf16), so that naive Muon runs it too on every rank.
         verdict = job_ns_dtype(device, None)
-        args.ns_dtype = str(verdict.dtype).removeprefix("torch.")
-        args.ns_dtype_reason = verdict.reason
+        everyone = [None] * world
+        dist.all_gather_object(everyone, verdict.dtype == torch.bfloat16)
+        args.ns_dtype = "bfloat16" if all(everyone) else "float32"
+        mine = str(verdict.dtype).removeprefix("torch.")
+        args.ns_dtype_reason = (
+            f"{verdict.reason}; agreed by {world} ranks"
+            if mine == args.ns_dtype
+            else f"a peer rank has no fast bf16 (this one: {verdict.reason})"
+        )
     modes = list(args.modes)
     runs = {m: _build(m, args, world, device) for m in modes}
     step = {m: 0 for m in modes}

@@ -4,18 +4,28 @@ Without a GPU, the Triton kernels run under Triton's CPU interpreter. ``triton.j
 ``TRITON_INTERPRET`` when it decorates a kernel, so it is set here, before any test module
 imports the kernels.
 
-``ns_backend="auto"`` keeps its timings in a cache folder: every test gets an empty one of
-its own (inherited by the ranks and TorchTitan runs it starts), so that no test reads what
-an earlier test or the user's own runs measured.
+Nothing a test runs writes into the user's home: ``ns_backend="auto"``'s timing cache and
+the datasets library's cache (TorchTitan's loader) live in a folder of the session's.
+Every test gets an empty timing cache of its own (inherited by the ranks and TorchTitan
+runs it starts), so that no test reads what an earlier test or the user measured; the
+session's folder serves what runs before a test's own fixtures (module-scoped ones).
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+_SESSION_DIR = tempfile.mkdtemp(prefix="torchtitan-dmuon-tests-")
+atexit.register(shutil.rmtree, _SESSION_DIR, ignore_errors=True)
+os.environ["TORCHTITAN_DMUON_CACHE_DIR"] = os.path.join(_SESSION_DIR, "auto_cache")
+os.environ["HF_DATASETS_CACHE"] = os.path.join(_SESSION_DIR, "hf_datasets")
 
 
 @pytest.fixture(autouse=True)

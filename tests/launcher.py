@@ -33,6 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_MODULE = "torchtitan_dmuon.titan.config"
 STOP_GRACE_S = 5.0
+PORT_ATTEMPTS = 3
 """How long the other ranks may take to exit by themselves after one failed."""
 
 
@@ -117,8 +118,23 @@ def _run_rank(rank: int, world: int, port: int, request: dict, log: Path) -> Non
 
 
 def _launch(request: dict) -> dict:
+    """Run the request's ranks; again on another port when the one :func:`free_port` found
+    was taken before rank 0's store bound it (another process may bind it in between)."""
+    for _ in range(PORT_ATTEMPTS):
+        answer = _launch_on(request, free_port())
+        rank0_log = Path(request["logs"]) / "rank0" / "stderr.log"
+        lost_port = (
+            answer["codes"][0] != 0
+            and rank0_log.exists()
+            and "EADDRINUSE" in rank0_log.read_text(errors="replace")
+        )
+        if not lost_port:
+            break
+    return answer
+
+
+def _launch_on(request: dict, port: int) -> dict:
     world, logs = request["ngpu"], Path(request["logs"])
-    port = free_port()
     pids = {}
     for rank in range(world):
         pid = os.fork()

@@ -35,7 +35,14 @@ def test_ranks_see_the_test_environment(monkeypatch, value):
     assert run_distributed(_environment_worker, 2, "DMUON_TEST_HARNESS_VALUE") == [value] * 2
 
 
+def _start_forkserver():
+    """The timed tests below measure the harness, not the forkserver's one start (importing
+    torch, the engine and the workers), which the first distributed test of a session pays."""
+    run_distributed(_environment_worker, 2, "HOME")
+
+
 def test_a_hang_fails_with_every_rank_stack():
+    _start_forkserver()
     with pytest.raises(AssertionError, match=r"ranks \[0, 1\] still running after 5s") as e:
         run_distributed(_hanging_worker, 2, timeout=5)
     assert "--- rank 0 stacks ---" in str(e.value)
@@ -43,6 +50,7 @@ def test_a_hang_fails_with_every_rank_stack():
 
 
 def test_a_failed_rank_ends_the_run_at_once():
+    _start_forkserver()
     start = time.monotonic()
     with pytest.raises(AssertionError, match="rank 1 failed on purpose"):
         run_distributed(_failing_worker, 2, timeout=120)

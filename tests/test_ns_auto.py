@@ -33,6 +33,7 @@ def _fresh_choices(monkeypatch):
     """No choice made before the test is seen by it, none made in it outlives it: no
     backend picked, the dtype probe to run again (conftest gives it an empty cache)."""
     monkeypatch.setattr(ns_backends, "_auto_choices", {})
+    monkeypatch.setattr(agreement, "_logged", set())  # each test sees its own log lines
     ns_dtype._probed_ns_dtype.cache_clear()
     yield
     ns_dtype._probed_ns_dtype.cache_clear()
@@ -191,6 +192,18 @@ def test_auto_dtype_is_fp32_without_native_bf16(monkeypatch):
     assert ns_dtype.local_ns_dtype(cpu).dtype == torch.float32
 
 
+def test_the_dtype_probe_leaves_the_global_rng_alone(monkeypatch):
+    """Whether "auto" probes or the switch skips it, a model initialized after the
+    optimizer's verdict starts from the same random numbers."""
+    monkeypatch.delenv(ns_dtype.VERDICT_ENV, raising=False)
+    monkeypatch.setattr(ns_dtype, "_native_cpu_bf16", lambda: True)  # probe on any CPU
+    torch.manual_seed(7)
+    ns_dtype.local_ns_dtype(torch.device("cpu"))
+    after_probe = torch.randn(4)
+    torch.manual_seed(7)
+    assert torch.equal(after_probe, torch.randn(4))
+
+
 @pytest.mark.parametrize("forced", ["bfloat16", "float32"])
 def test_verdict_switch_takes_the_other_kind_of_machines_verdict(monkeypatch, forced, caplog):
     """TORCHTITAN_DMUON_AUTO_NS_DTYPE is "auto"'s verdict, whatever this CPU would pick,
@@ -303,8 +316,16 @@ def test_ranks_with_disagreeing_timings_run_one_backend_per_shape(tmp_path, worl
     assert any(parities == {0, 1} for parities in runs.values()), runs
 
 
+def _fixed_timings(shape, *args, **kwargs):
+    """Timings that do not vary from run to run: gram faster on wide matrices only."""
+    return {"torch": 10.0, "gram": 5.0 if shape[-1] > shape[-2] else 20.0}
+
+
 def cached_worker(rank, world, cache_dir):
     os.environ["TORCHTITAN_DMUON_CACHE_DIR"] = cache_dir
+    # Ranks that own same-shape batches write one cache entry, the last writer's: with real
+    # timings a near tie could pick otherwise in the second job, which is right.
+    ns_backends.measure_backends = _fixed_timings
     mesh = init_device_mesh("cpu", (world,))
     reports = []
     for _ in range(2):
@@ -323,6 +344,7 @@ def test_a_second_job_reads_the_cache_and_measures_nothing(tmp_path):
     assert sum(r.measured for r in first) >= 3  # 64x64, 128x64, 64x128 among the ranks
     assert all(r.measured == 0 and r.cached > 0 for r in second)
     assert all(r.picks == first[0].picks for r in first + second)
+    assert set(first[0].picks.values()) == {"torch", "gram"}
 
 
 def uneven_parts_worker(rank, world):

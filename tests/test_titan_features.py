@@ -411,7 +411,7 @@ def test_default_config_chooses_ns_dtype_and_backend_once_and_caches(tmp_path):
     forced = os.environ.get(ns_dtype.VERDICT_ENV)
     if forced:
         assert chose.group(1) == forced and f"{ns_dtype.VERDICT_ENV}={forced}" in chose.group(2)
-    elif not (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()):
+    elif not ns_dtype._native_cpu_bf16():
         assert chose.group(1) == "float32" and "no native bf16" in chose.group(2)
     picked = re.compile(
         r"ns_backend='auto' for torch\.\w+ on 2 rank\(s\): (.*) \(this rank: (\d+) shapes "
@@ -421,7 +421,10 @@ def test_default_config_chooses_ns_dtype_and_backend_once_and_caches(tmp_path):
         picked.search(run.output).groups() for run in (first, second)
     )
     # debug llama3: wq/wk/wv/wo 256x256, w1/w3 768x256, w2 256x768, each run by rank 0.
-    assert [p.split()[0] for p in pick1.split(", ")] == ["256x256", "256x768", "768x256"]
-    assert pick2 == pick1
+    # The second run's picks come from one rank's cached timings (both ranks time the same
+    # batches, the last one saved wins), so a near tie may pick otherwise: same shapes.
+    shapes = ["256x256", "256x768", "768x256"]
+    assert [p.split()[0] for p in pick1.split(", ")] == shapes
+    assert [p.split()[0] for p in pick2.split(", ")] == shapes
     assert (int(measured1), int(cached1)) == (3, 0) and float(seconds1) > 0
     assert (int(measured2), int(cached2)) == (0, 3)

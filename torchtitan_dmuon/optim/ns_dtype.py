@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import os
 import platform
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -42,6 +43,7 @@ VERDICT_ENV = "TORCHTITAN_DMUON_AUTO_NS_DTYPE"
 _VERDICTS = ("bfloat16", "float32")
 
 _PROBE_SIDE = 256
+_PROBE_REPEATS = 5
 _X86 = {"x86_64", "amd64", "i386", "i686"}
 
 
@@ -87,13 +89,20 @@ def cpu_description() -> str:
 
 
 def _matmul_ms(dtype: torch.dtype, device: torch.device) -> float:
-    a = torch.randn(_PROBE_SIDE, _PROBE_SIDE, device=device).to(dtype)
+    """The median of :data:`_PROBE_REPEATS` timed matmuls (one sample flips the verdict
+    under load). Its own generator: the probe leaves the global RNG, and so a model
+    initialized after it, as it found them."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(_PROBE_SIDE, _PROBE_SIDE, device=device, generator=generator).to(dtype)
     a @ a  # warm-up: kernel selection, first-touch
-    start = time.perf_counter()
-    a @ a
-    if device.type != "cpu":
-        torch.accelerator.synchronize(device)
-    return 1e3 * (time.perf_counter() - start)
+    samples = []
+    for _ in range(_PROBE_REPEATS):
+        start = time.perf_counter()
+        a @ a
+        if device.type != "cpu":
+            torch.accelerator.synchronize(device)
+        samples.append(1e3 * (time.perf_counter() - start))
+    return statistics.median(samples)
 
 
 def _native_cpu_bf16() -> bool:
@@ -129,8 +138,8 @@ def local_ns_dtype(device: torch.device) -> NSDtypeVerdict:
     """What ``"auto"`` picks on ``device`` in this process.
 
     :data:`VERDICT_ENV`, when set. Otherwise CUDA: bf16 where the GPU supports it
-    natively. CPU: fp32 unless it has native bf16; then, and on other accelerators, a
-    256^3 matmul in each dtype decides (bf16 if it is not slower). The probe runs once
+    natively. CPU: fp32 unless it has native bf16; then, and on other accelerators,
+    256^3 matmuls in each dtype decide (bf16 if its median time is not slower). The probe runs once
     per process and device.
 
     Raises:
