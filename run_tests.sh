@@ -7,7 +7,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cd "$ROOT"
-./scripts/setup.sh
+./scripts/setup.sh --dev
 PY="${DMUON_VENV:-$ROOT/.venv}/bin/python"
 "$PY" -m ruff check .
 if [[ $# -gt 0 ]]; then

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Idempotent fresh-machine setup shared by run_train.sh and run_tests.sh.
 #
-# Creates .venv if absent and installs the project editable with its test extras.
+#   scripts/setup.sh         what training needs: the project editable and its dependencies
+#   scripts/setup.sh --dev   also the test, benchmark and peer extras (run_tests.sh's)
+#
+# Creates .venv if absent and installs the project editable.
 # torch is installed first and then frozen with a constraint, so that no later
 # requirement can swap it: on a machine without an NVIDIA GPU that is the CPU build
 # of torch 2.13.0 (plus triton 3.9.0, which torchtitan imports); on a CUDA machine
@@ -17,14 +20,23 @@ TRITON_CPU_VERSION="3.9.0"
 
 log() { echo "[setup] $*" >&2; }
 
-# Re-run only when the project's dependency list changed since the last setup.
-# Contents only (not paths), so that checkouts in other folders share one stamp.
+case "${1:-}" in
+  "") kind=train; extras="" ;;
+  --dev) kind=dev; extras="[test,bench,peer-muon-fsdp2,peer-dtensor-muon]" ;;
+  *) echo "[setup] unknown argument '$1' (expected nothing or --dev)" >&2; exit 2 ;;
+esac
+
+# Re-run only when the project's dependency list changed since the last setup (or the
+# extras are wanted and were not installed). Contents only (not paths), so that
+# checkouts in other folders share one stamp.
 want_stamp="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup.sh" | sha256sum | cut -d' ' -f1)"
+have_stamp="$(cat "$STAMP" 2>/dev/null || true)"
 ASSETS="$ROOT/assets"
 # assets/ is complete with its tokenizer and the held-out split; one built before the
 # split existed (no heldout/) is rebuilt, so that training never sees the held-out documents.
 assets_ready() { [[ -f "$ASSETS/tokenizer/tokenizer.json" && -f "$ASSETS/heldout/stdlib_docstrings.jsonl" ]]; }
-if [[ -x "$PY" && -f "$STAMP" && "$(cat "$STAMP")" == "$want_stamp" ]] && assets_ready; then
+if [[ -x "$PY" && ("$have_stamp" == "$want_stamp dev" || "$have_stamp" == "$want_stamp $kind") ]] \
+    && assets_ready; then
   exit 0
 fi
 
@@ -50,11 +62,10 @@ if [[ "$has_gpu" == 1 && -n "$installed_torch" && "$installed_torch" != *+cpu* ]
 elif [[ "$has_gpu" == 1 ]]; then
   log "NVIDIA GPU found and no CUDA torch present: installing torch>=2.13 from the index"
   "${PIP[@]}" install "torch>=2.13,<2.15"
+elif [[ "$installed_torch" != "$TORCH_CPU_VERSION"* ]]; then
+  log "installing CPU torch $TORCH_CPU_VERSION and triton $TRITON_CPU_VERSION"
+  "${PIP[@]}" install "torch==$TORCH_CPU_VERSION" "triton==$TRITON_CPU_VERSION"
 else
-  if [[ "$installed_torch" != "$TORCH_CPU_VERSION"* ]]; then
-    log "installing CPU torch $TORCH_CPU_VERSION"
-    "${PIP[@]}" install "torch==$TORCH_CPU_VERSION"
-  fi
   "${PIP[@]}" install "triton==$TRITON_CPU_VERSION"
 fi
 
@@ -67,15 +78,16 @@ constraints="$(mktemp)"
 trap 'rm -f "$constraints"' EXIT
 echo "torch==$torch_now" >"$constraints"
 
-log "installing torchtitan-dmuon (editable) with test, bench and peer extras around torch $torch_now"
-"${PIP[@]}" install -c "$constraints" -e "$ROOT[test,bench,peer-muon-fsdp2,peer-dtensor-muon]"
+log "installing torchtitan-dmuon$extras (editable) around torch $torch_now"
+"${PIP[@]}" install -c "$constraints" -e "$ROOT$extras"
 
 # Offline training assets (a text corpus, its held-out split and the tokenizer), built
-# locally, never downloaded.
+# locally, never downloaded. Run as a file: it needs only the standard library and
+# tokenizers, not the package's imports (torch, TorchTitan: seconds).
 if ! assets_ready; then
   log "building the training corpus, its held-out split and the tokenizer in $ASSETS"
-  "$PY" -m torchtitan_dmuon.titan.assets --out "$ASSETS"
+  "$PY" "$ROOT/torchtitan_dmuon/titan/assets.py" --out "$ASSETS"
 fi
 
-echo "$want_stamp" >"$STAMP"
+echo "$want_stamp $kind" >"$STAMP"
 log "done"

@@ -18,7 +18,8 @@ split existed); the train configs point at the output::
     assets/tokenizer/tokenizer.json         [model] hf_assets_path = assets/tokenizer
     assets/tokenizer/tokenizer_config.json
 
-Usage: ``python -m torchtitan_dmuon.titan.assets [--out assets]``.
+Usage: ``python -m torchtitan_dmuon.titan.assets [--out assets]``, or with the file's path
+(what setup does: it imports only the standard library and ``tokenizers``).
 """
 
 from __future__ import annotations
