@@ -63,10 +63,15 @@ elif [[ "$has_gpu" == 1 ]]; then
   log "NVIDIA GPU found and no CUDA torch present: installing torch>=2.13 from the index"
   "${PIP[@]}" install "torch>=2.13,<2.15"
 elif [[ "$installed_torch" != "$TORCH_CPU_VERSION"* ]]; then
-  log "installing CPU torch $TORCH_CPU_VERSION and triton $TRITON_CPU_VERSION"
-  "${PIP[@]}" install "torch==$TORCH_CPU_VERSION" "triton==$TRITON_CPU_VERSION"
-else
-  "${PIP[@]}" install "triton==$TRITON_CPU_VERSION"
+  log "installing CPU torch $TORCH_CPU_VERSION"
+  "${PIP[@]}" install "torch==$TORCH_CPU_VERSION"
+fi
+# The CPU torch wheel does not require triton and nothing else here does: it installs
+# (~1 GB unpacked) beside the project's dependencies, not before them.
+triton_pid=""
+if [[ "$has_gpu" == 0 ]]; then
+  "${PIP[@]}" install "triton==$TRITON_CPU_VERSION" &
+  triton_pid=$!
 fi
 
 torch_now="$("$PY" -c 'import torch; print(torch.__version__)')"
@@ -80,6 +85,10 @@ echo "torch==$torch_now" >"$constraints"
 
 log "installing torchtitan-dmuon$extras (editable) around torch $torch_now"
 "${PIP[@]}" install -c "$constraints" -e "$ROOT$extras"
+if [[ -n "$triton_pid" ]] && ! wait "$triton_pid"; then
+  echo "[setup] installing triton $TRITON_CPU_VERSION failed (see above)" >&2
+  exit 1
+fi
 
 # Offline training assets (a text corpus, its held-out split and the tokenizer), built
 # locally, never downloaded. Run as a file: it needs only the standard library and
