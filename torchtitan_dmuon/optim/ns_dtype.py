@@ -88,6 +88,11 @@ def cpu_description() -> str:
     return f"{model} ({torch.backends.cpu.get_cpu_capability()})"
 
 
+def _device_description(device: torch.device) -> str:
+    """What a verdict's reason names: the CPU's model and capability, else the device type."""
+    return cpu_description() if device.type == "cpu" else device.type
+
+
 def _matmul_ms(dtype: torch.dtype, device: torch.device) -> float:
     """The median of :data:`_PROBE_REPEATS` timed matmuls (one sample flips the verdict
     under load). Its own generator: the probe leaves the global RNG, and so a model
@@ -147,9 +152,10 @@ def local_ns_dtype(device: torch.device) -> NSDtypeVerdict:
     """
     forced = forced_ns_dtype()
     if forced is not None:
-        where = cpu_description() if device.type == "cpu" else device.type
         name = str(forced).removeprefix("torch.")
-        return NSDtypeVerdict(forced, f"{where}: {VERDICT_ENV}={name} (the probe is skipped)")
+        return NSDtypeVerdict(
+            forced, f"{_device_description(device)}: {VERDICT_ENV}={name} (the probe is skipped)"
+        )
     return _probed_ns_dtype(device)
 
 
@@ -160,7 +166,7 @@ def _probed_ns_dtype(device: torch.device) -> NSDtypeVerdict:
         if torch.cuda.is_bf16_supported(including_emulation=False):
             return NSDtypeVerdict(torch.bfloat16, f"{name} multiplies bf16 natively")
         return NSDtypeVerdict(torch.float32, f"{name} has no native bf16")
-    where = cpu_description() if device.type == "cpu" else device.type
+    where = _device_description(device)
     if device.type == "cpu" and not _native_cpu_bf16():
         return NSDtypeVerdict(
             torch.float32, f"{where} has no native bf16 (no AVX512-BF16 or AMX): fp32"
