@@ -30,7 +30,7 @@ from torch.profiler import ProfilerActivity, profile
 from torchtitan.models.llama3 import Transformer, llama3_args
 
 from torchtitan_dmuon import Muon
-from torchtitan_dmuon.optim.ns_dtype import cpu_description
+from torchtitan_dmuon.optim.ns_cache import cpu_description
 from torchtitan_dmuon.titan.config import DEFAULT_PARAM_PATTERNS, DMuon
 from torchtitan_dmuon.titan.parallelize import muon_predicate
 from torchtitan_dmuon.titan.qk_clip import build_qk_clip

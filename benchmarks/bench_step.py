@@ -62,10 +62,11 @@ from naive_muon import NaiveFSDPMuon  # noqa: E402
 from peers import PEERS, peer_status  # noqa: E402
 
 import torchtitan_dmuon as dmuon  # noqa: E402
-from torchtitan_dmuon.engine.agreement import job_ns_dtype  # noqa: E402
 from torchtitan_dmuon.engine.comm import CollectiveCounter  # noqa: E402
+from torchtitan_dmuon.optim.config import MuonConfig  # noqa: E402
 from torchtitan_dmuon.optim.newton_schulz import ns_flops  # noqa: E402
-from torchtitan_dmuon.optim.ns_dtype import cpu_description  # noqa: E402
+from torchtitan_dmuon.optim.ns_cache import cpu_description  # noqa: E402
+from torchtitan_dmuon.optim.ns_choice import choose_ns  # noqa: E402
 
 BASELINE = "adamw_fused"
 BASE_MODES = [
@@ -253,18 +254,16 @@ def worker(rank: int, world: int, args, store: str, result_path: str) -> None:
     dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
     device = _device()
     if args.ns_dtype == "auto":
-        # What Muon(ns_dtype="auto") runs here, agreed by every rank as a dedication agrees
-        # it (bf16 only if all say bf16), so that naive Muon runs it too on every rank.
-        verdict = job_ns_dtype(device, None)
-        everyone = [None] * world
-        dist.all_gather_object(everyone, verdict.dtype == torch.bfloat16)
-        args.ns_dtype = "bfloat16" if all(everyone) else "float32"
-        mine = str(verdict.dtype).removeprefix("torch.")
-        args.ns_dtype_reason = (
-            f"{verdict.reason}; agreed by {world} ranks"
-            if mine == args.ns_dtype
-            else f"a peer rank has no fast bf16 (this one: {verdict.reason})"
-        )
+        # What Muon(ns_dtype="auto") runs here, agreed by every rank through the same
+        # decision, so that naive Muon runs it too on every rank.
+        def gather(obj) -> list:
+            everyone = [None] * world
+            dist.all_gather_object(everyone, obj)
+            return everyone
+
+        choice = choose_ns(MuonConfig(), device, lambda dtype: {}, gather)
+        args.ns_dtype = str(choice.dtype).removeprefix("torch.")
+        args.ns_dtype_reason = choice.dtype_reason
     modes = list(args.modes)
     runs = {m: _build(m, args, world, device) for m in modes}
     step = {m: 0 for m in modes}

@@ -13,9 +13,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from tests.dist import run_distributed
 from tests.models import TokenModel, batch, loss_fn, make_model, proj_predicate
-from torchtitan_dmuon import Muon, dedicate_params
-from torchtitan_dmuon.engine import agreement
-from torchtitan_dmuon.optim import ns_backends, ns_cache, ns_dtype
+from torchtitan_dmuon import Muon, MuonConfig, dedicate_params
+from torchtitan_dmuon.optim import ns_backends, ns_cache, ns_choice
 from torchtitan_dmuon.optim.newton_schulz import newton_schulz, resolve_ns_schedule
 from torchtitan_dmuon.optim.ns_backends import (
     AUTO_MIN_SIDE_CPU,
@@ -33,10 +32,10 @@ def _fresh_choices(monkeypatch):
     """No choice made before the test is seen by it, none made in it outlives it: no
     backend picked, the dtype probe to run again (conftest gives it an empty cache)."""
     monkeypatch.setattr(ns_backends, "_auto_choices", {})
-    monkeypatch.setattr(agreement, "_logged", set())  # each test sees its own log lines
-    ns_dtype._probed_ns_dtype.cache_clear()
+    monkeypatch.setattr(ns_choice, "_logged", set())  # each test sees its own log lines
+    ns_choice._probed_ns_dtype.cache_clear()
     yield
-    ns_dtype._probed_ns_dtype.cache_clear()
+    ns_choice._probed_ns_dtype.cache_clear()
 
 
 def _randn(*shape, seed=0):
@@ -175,30 +174,30 @@ def test_each_test_has_an_empty_cache_of_its_own(order):
 
 def test_auto_dtype_is_fp32_without_native_bf16(monkeypatch):
     cpu = torch.device("cpu")
-    monkeypatch.delenv(ns_dtype.VERDICT_ENV, raising=False)  # the probe itself
-    monkeypatch.setattr(ns_dtype, "_native_cpu_bf16", lambda: False)
-    verdict = ns_dtype.local_ns_dtype(cpu)
+    monkeypatch.delenv(ns_choice.VERDICT_ENV, raising=False)  # the probe itself
+    monkeypatch.setattr(ns_choice, "_native_cpu_bf16", lambda: False)
+    verdict = ns_choice.local_ns_dtype(cpu)
     assert verdict.dtype == torch.float32 and "no native bf16" in verdict.reason
     assert torch.backends.cpu.get_cpu_capability() in verdict.reason
     # With bf16 instructions the probe decides: bf16 only if it is not slower.
-    monkeypatch.setattr(ns_dtype, "_native_cpu_bf16", lambda: True)
+    monkeypatch.setattr(ns_choice, "_native_cpu_bf16", lambda: True)
     for bf16_ms, expected in ((1.0, torch.bfloat16), (9.0, torch.float32)):
-        ns_dtype._probed_ns_dtype.cache_clear()
+        ns_choice._probed_ns_dtype.cache_clear()
         timings = {torch.bfloat16: bf16_ms, torch.float32: 2.0}
-        monkeypatch.setattr(ns_dtype, "_matmul_ms", lambda dtype, device, t=timings: t[dtype])
-        assert ns_dtype.local_ns_dtype(cpu).dtype == expected
+        monkeypatch.setattr(ns_choice, "_matmul_ms", lambda dtype, device, t=timings: t[dtype])
+        assert ns_choice.local_ns_dtype(cpu).dtype == expected
     # Probed once per process: a second call measures nothing.
-    monkeypatch.setattr(ns_dtype, "_matmul_ms", lambda dtype, device: pytest.fail("probed again"))
-    assert ns_dtype.local_ns_dtype(cpu).dtype == torch.float32
+    monkeypatch.setattr(ns_choice, "_matmul_ms", lambda dtype, device: pytest.fail("probed again"))
+    assert ns_choice.local_ns_dtype(cpu).dtype == torch.float32
 
 
 def test_the_dtype_probe_leaves_the_global_rng_alone(monkeypatch):
     """Whether "auto" probes or the switch skips it, a model initialized after the
     optimizer's verdict starts from the same random numbers."""
-    monkeypatch.delenv(ns_dtype.VERDICT_ENV, raising=False)
-    monkeypatch.setattr(ns_dtype, "_native_cpu_bf16", lambda: True)  # probe on any CPU
+    monkeypatch.delenv(ns_choice.VERDICT_ENV, raising=False)
+    monkeypatch.setattr(ns_choice, "_native_cpu_bf16", lambda: True)  # probe on any CPU
     torch.manual_seed(7)
-    ns_dtype.local_ns_dtype(torch.device("cpu"))
+    ns_choice.local_ns_dtype(torch.device("cpu"))
     after_probe = torch.randn(4)
     torch.manual_seed(7)
     assert torch.equal(after_probe, torch.randn(4))
@@ -209,19 +208,19 @@ def test_verdict_switch_takes_the_other_kind_of_machines_verdict(monkeypatch, fo
     """TORCHTITAN_DMUON_AUTO_NS_DTYPE is "auto"'s verdict, whatever this CPU would pick,
     named in the log line; a bad value is refused, naming the variable, when Muon is
     built (before any collective: the local verdict comes first)."""
-    monkeypatch.setenv(ns_dtype.VERDICT_ENV, forced)
-    monkeypatch.setattr(ns_dtype, "_matmul_ms", lambda dtype, device: pytest.fail("probed"))
+    monkeypatch.setenv(ns_choice.VERDICT_ENV, forced)
+    monkeypatch.setattr(ns_choice, "_matmul_ms", lambda dtype, device: pytest.fail("probed"))
     model = make_model()
-    with caplog.at_level(logging.INFO, logger=agreement.__name__):
-        chosen = Muon(model, predicate=proj_predicate).chosen_ns_dtype
+    with caplog.at_level(logging.INFO, logger=ns_choice.__name__):
+        chosen = Muon(model, predicate=proj_predicate).ns
     assert chosen.dtype == getattr(torch, forced)
-    assert f"{ns_dtype.VERDICT_ENV}={forced}" in chosen.reason
-    assert ns_dtype.cpu_description() in chosen.reason
-    assert f"{ns_dtype.VERDICT_ENV}={forced}" in caplog.text
+    assert f"{ns_choice.VERDICT_ENV}={forced}" in chosen.dtype_reason
+    assert ns_cache.cpu_description() in chosen.dtype_reason
+    assert f"{ns_choice.VERDICT_ENV}={forced}" in caplog.text
     other = {"bfloat16": "float32", "float32": "bfloat16"}[forced]
-    assert ns_dtype.other_verdict(torch.device("cpu")) == other
-    monkeypatch.setenv(ns_dtype.VERDICT_ENV, "bf16")
-    with pytest.raises(ValueError, match=f"{ns_dtype.VERDICT_ENV} must be one of"):
+    assert ns_choice.other_verdict(torch.device("cpu")) == other
+    monkeypatch.setenv(ns_choice.VERDICT_ENV, "bf16")
+    with pytest.raises(ValueError, match=f"{ns_choice.VERDICT_ENV} must be one of"):
         Muon(model, predicate=proj_predicate)
 
 
@@ -230,12 +229,13 @@ def test_muon_names_a_dtype_or_takes_the_local_verdict():
     """A named dtype is used as named; "auto" takes this process's verdict (the probe's, or
     the switch's), one per process: the reason is the same line, not a second probe's."""
     model = make_model()
-    assert Muon(model, ns_dtype=torch.bfloat16).ns_dtype == torch.bfloat16
-    assert Muon(model, ns_dtype="float32").ns_dtype == torch.float32
-    chosen = Muon(model).chosen_ns_dtype
-    assert chosen == ns_dtype.local_ns_dtype(torch.device("cpu"))
-    assert chosen.reason.startswith(ns_dtype.cpu_description())
-    with pytest.raises(ValueError, match="ns_dtype must be 'auto' or a floating"):
+    assert Muon(model, ns_dtype=torch.bfloat16).ns.dtype == torch.bfloat16
+    assert Muon(model, ns_dtype="float32").ns.dtype == torch.float32
+    chosen = Muon(model).ns
+    local = ns_choice.local_ns_dtype(torch.device("cpu"))
+    assert (chosen.dtype, chosen.dtype_reason) == (local.dtype, local.reason)
+    assert chosen.dtype_reason.startswith(ns_cache.cpu_description())
+    with pytest.raises(ValueError, match="ns_dtype must be one of"):
         Muon(model, ns_dtype="int8")
 
 
@@ -287,7 +287,7 @@ def disagreeing_worker(rank, world, cache_dir, layout):
         opt.zero_grad()
         loss_fn(model, inputs[2 * dp : 2 * dp + 2], targets[2 * dp : 2 * dp + 2]).backward()
         opt.step()
-    return {"used": used, "picks": opt.ns_backend_report.picks}
+    return {"used": used, "picks": opt.ns.backend_report.picks}
 
 
 @pytest.mark.parametrize("world, layout", [(2, "fsdp"), (4, "fsdp"), (4, "tp")])
@@ -332,7 +332,7 @@ def cached_worker(rank, world, cache_dir):
         ns_backends._auto_choices.clear()
         model = make_model(dim=64, hidden=128, layers=2)
         dedicate_params(model, mesh, proj_predicate)
-        reports.append(Muon(model, ns_backend="auto", ns_dtype=torch.float32).ns_backend_report)
+        reports.append(Muon(model, ns_backend="auto", ns_dtype=torch.float32).ns.backend_report)
     return reports
 
 
@@ -361,7 +361,7 @@ def uneven_parts_worker(rank, world):
         inputs, targets = batch(100 + part, 4)
         loss_fn(model, inputs[2 * dp : 2 * dp + 2], targets[2 * dp : 2 * dp + 2]).backward()
         opt.step()
-        picks.append((opt.ns_backend_report.picks, opt.chosen_ns_dtype.dtype))
+        picks.append((opt.ns.backend_report.picks, opt.ns.dtype))
     return row, picks
 
 
@@ -388,14 +388,9 @@ def test_each_shape_is_timed_as_the_batch_it_runs(monkeypatch):
         "measure_backends",
         lambda shape, *a, **k: (measured.append(tuple(shape)), {"torch": 2.0, "gram": 1.0})[1],
     )
-    report = agreement.agree_ns_backends(
-        {(64, 64): 3, (64, 128): 1, (8, 8): 5},  # 8x8: too small to measure
-        SCHEDULE,
-        eps=1e-7,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-        dedication=None,
-    )
+    workload = {(64, 64): 3, (64, 128): 1, (8, 8): 5}  # 8x8: too small to measure
+    config = MuonConfig(ns_backend="auto", ns_dtype="float32")
+    report = ns_choice.choose_ns(config, torch.device("cpu"), lambda dtype: workload).backend_report
     assert sorted(measured) == [(3, 64, 64), (64, 128)]
     assert report.picks == {(64, 64): "gram", (64, 128): "gram"} and report.measured == 2
     assert choose_ns_backend(_randn(3, 64, 64), SCHEDULE, dtype=torch.float32) == "gram"

@@ -30,7 +30,14 @@ from tests.workers import (
     full_params,
     reference_setup,
 )
-from torchtitan_dmuon import ClippedAttention, Muon, QKClip, dedicate_params, get_full_param
+from torchtitan_dmuon import (
+    ClippedAttention,
+    Muon,
+    QKClip,
+    dedicate_params,
+    get_dedication,
+    get_full_param,
+)
 from torchtitan_dmuon.optim.qk_clip import HeadRows, head_max_logits, scale_head_rows
 
 STEPS = 6
@@ -319,12 +326,12 @@ def _worker(rank, world, layouts, threshold=THRESHOLD):
             if clip is not None:
                 maxima.append(clip.max_logit.item())
                 clipped.append(int(clip.clipped_heads))
-        stats = opt.dedication.stats.snapshot()
+        stats = get_dedication(model).stats.snapshot()
         names = {n for n, p in model.named_parameters() if proj_predicate(n, p)}
         runs.append({"layout": layout, "dp_world": dp_world, "losses": losses,
                      "weights": weights, "maxima": maxima, "clipped": clipped, "stats": stats,
                      "params": full_params(model, names)})  # fmt: skip
-        opt.dedication.wait_replicas()
+        get_dedication(model).wait_replicas()
         del opt, model
     return runs
 
@@ -379,7 +386,7 @@ def test_off_is_bitwise_unchanged():
 def test_recompute_in_backward_records_nothing(monkeypatch):
     """Under activation checkpointing the backward's recompute of a block sees the values
     its forward saw: the maxima are computed once per forward, not again."""
-    import torchtitan_dmuon.qk_clip as qk_clip_module
+    import torchtitan_dmuon.optim.qk_clip as qk_clip_module
 
     calls = []
     original = qk_clip_module.head_max_logits

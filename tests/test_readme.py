@@ -85,8 +85,8 @@ def snippet_worker(rank: int, world: int, snippets: dict[str, str]) -> dict[str,
             "losses": losses,
             "dp": (dp_rank, dp_size),
             "params": full_params(model, names),
-            "ns_dtype": optimizer.ns_dtype,
-            "ns_backend": optimizer.ns_backend,
+            "ns_dtype": optimizer.ns.dtype,
+            "ns_backend": optimizer.ns.backend,
         }
         dedication.wait_replicas()
     return results
@@ -127,9 +127,7 @@ def test_guide_snippet_trains_like_one_process(name, snippet_runs):
         for n, p in reference.items()
         if proj_predicate(n, p)
     )
-    tolerance = trained_tolerance(
-        ns_dtype, lr=lr, steps=STEPS, ns_backend=by_rank[0]["ns_backend"]
-    )
+    tolerance = trained_tolerance(ns_dtype, lr=lr, steps=STEPS, ns_backend=by_rank[0]["ns_backend"])
     for r in by_rank:
         for param, value in r["params"].items():
             torch.testing.assert_close(value, reference[param].detach(), **tolerance)

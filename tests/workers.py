@@ -14,7 +14,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
-import torchtitan_dmuon.optimizer as optimizer_module
+import torchtitan_dmuon.optim.ns_choice as ns_choice_module
 from tests.models import batch, loss_fn, make_model, proj_predicate, shard_experts
 from torchtitan_dmuon import (
     Muon,
@@ -302,7 +302,7 @@ def failing_step(opt, dedication, fails_here: bool, call: int = 2) -> dict:
     ``fails_here``: returns what every rank raised and whether its parameters, masters,
     momentum and AdamW state are bitwise what they were before the call."""
     before = _optimizer_snapshot(opt, dedication)
-    original = optimizer_module.bind_ns
+    original = ns_choice_module.bind_ns
 
     def failing_bind(*args, **kwargs):
         ns, calls = original(*args, **kwargs), []
@@ -316,7 +316,7 @@ def failing_step(opt, dedication, fails_here: bool, call: int = 2) -> dict:
         return run
 
     if fails_here:
-        optimizer_module.bind_ns = failing_bind
+        ns_choice_module.bind_ns = failing_bind
     try:
         opt.step()
     except MuonStepError as error:
@@ -324,7 +324,7 @@ def failing_step(opt, dedication, fails_here: bool, call: int = 2) -> dict:
     else:
         raise AssertionError("Muon.step did not raise")
     finally:
-        optimizer_module.bind_ns = original
+        ns_choice_module.bind_ns = original
     after = _optimizer_snapshot(opt, dedication)
     unchanged = before.keys() == after.keys() and all(
         torch.equal(before[k], after[k]) for k in before

@@ -5,9 +5,11 @@ the momentum, receives the reduced gradient, runs Newton-Schulz alone and broadc
 new value. Importing this package makes ``fully_shard`` skip dedicated parameters
 (``torchtitan_dmuon.engine.patches.uninstall()`` undoes it).
 
-Layout: ``optim`` (the math, no torch.distributed), ``engine`` (ownership: partition,
-dedication, communication, hooks; no TorchTitan), ``optimizer`` (the ``Muon`` class),
-``qk_clip`` (what ``Muon(qk_clip=...)`` watches).
+Layout: ``optim`` (the math and the settings, no torch.distributed: ``MuonConfig``,
+Newton-Schulz and its choice, the functional Muon update, NorMuon, QK-clip, the one-process
+matrix set), ``engine`` (ownership: partition, dedication, communication, hooks, the owned
+matrix set; no TorchTitan), ``optimizer`` (the thin ``Muon`` class over both), ``titan``
+(the TorchTitan adapter).
 """
 
 from torchtitan_dmuon.engine import (
@@ -20,14 +22,17 @@ from torchtitan_dmuon.engine import (
     set_requires_gradient_sync,
 )
 from torchtitan_dmuon.engine.patches import install as _install_patches
+from torchtitan_dmuon.optim.config import AdamWConfig, MuonConfig
+from torchtitan_dmuon.optim.qk_clip import ClippedAttention, QKClip
 from torchtitan_dmuon.optimizer import Muon, MuonStepError
-from torchtitan_dmuon.qk_clip import ClippedAttention, QKClip
 
 _install_patches()
 
 __all__ = [
+    "AdamWConfig",
     "ClippedAttention",
     "Muon",
+    "MuonConfig",
     "MuonStepError",
     "QKClip",
     "attach_pipeline_stage",

@@ -14,7 +14,9 @@ if it were a separate parameter. Matrices of the same shape, from any parameters
 one batch. A step runs in two phases: :func:`muon_update` computes the new momentum and
 the orthogonalized updates without changing anything, :func:`apply_muon_update` writes
 them, so a distributed step can agree that every rank's first phase succeeded before any
-rank changes its state. This module does not import ``torch.distributed``: the ownership
+rank changes its state. :func:`compute_group` and :func:`commit_group` run those two
+phases on a :class:`MatrixGroup` with the optimizer's per-parameter state (momentum, and
+NorMuon's second moment). This module does not import ``torch.distributed``: the ownership
 engine decides which matrices a rank steps.
 """
 
@@ -29,13 +31,19 @@ import torch
 from torch.profiler import record_function
 
 from torchtitan_dmuon.optim.newton_schulz import matrix_count
+from torchtitan_dmuon.optim.normuon import AllReduce, normuon_normalize, second_moment_shape
 
 __all__ = [
     "ADJUST_LR_FNS",
+    "SECOND_MOMENT",
+    "MatrixGroup",
     "MuonUpdate",
     "NSFunction",
+    "PendingGroup",
     "adjusted_lr",
     "apply_muon_update",
+    "commit_group",
+    "compute_group",
     "muon_step",
     "muon_update",
 ]
@@ -45,6 +53,9 @@ ADJUST_LR_FNS = (None, "original", "match_rms_adamw", "spectral")
 
 NSFunction = Callable[[torch.Tensor], torch.Tensor]
 """Orthogonalizes a 2-D matrix or a 3-D batch (see ``newton_schulz``)."""
+
+SECOND_MOMENT = "second_moment"
+"""NorMuon's state key: one EMA of the mean square per row of each matrix."""
 
 
 def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) -> float:
@@ -220,3 +231,110 @@ def _buckets(params: Sequence[torch.Tensor]) -> dict[tuple, list[int]]:
     for i, p in enumerate(params):
         buckets[(tuple(p.shape[-2:]), p.dtype, p.device)].append(i)
     return buckets
+
+
+@dataclass
+class MatrixGroup:
+    """Matrices one rank steps together with one orthogonalization.
+
+    Attributes:
+        keys: The parameters, as the optimizer's state is keyed.
+        params: What the update writes, in the same order: the parameters, or (an owner's)
+            master copies of them.
+        grads: Their gradients.
+        ns: Their orthogonalization (under tensor parallelism, one the TP ranks run
+            together on their shards).
+        shapes: The whole matrices' shapes when ``params`` are tensor-parallel shards,
+            for the learning-rate adjustment and NorMuon's row statistics; None: their own.
+        split_dim: The dim the shards split (tensor parallelism), or None.
+        all_reduce: NorMuon's sum of row statistics over the tensor-parallel ranks, or None.
+    """
+
+    keys: Sequence[torch.Tensor]
+    params: Sequence[torch.Tensor]
+    grads: Sequence[torch.Tensor]
+    ns: NSFunction
+    shapes: Sequence[Sequence[int]] | None = None
+    split_dim: int | None = None
+    all_reduce: AllReduce | None = None
+
+
+@dataclass
+class PendingGroup:
+    """What :func:`compute_group` computed for one group, for :func:`commit_group`."""
+
+    group: MatrixGroup
+    momentum_buffers: list[torch.Tensor]
+    update: MuonUpdate
+
+
+@torch.no_grad()
+def compute_group(
+    group: MatrixGroup,
+    state: dict,
+    *,
+    momentum: float,
+    nesterov: bool,
+    normuon_beta2: float | None,
+) -> PendingGroup:
+    """The first phase of a step of ``group``: new momentum (and, with ``normuon_beta2``,
+    NorMuon's second moments and normalized updates) from ``state``, which it only reads:
+    a first step's buffers start at zero and join the state at :func:`commit_group`."""
+    bufs = [state[key].get("momentum_buffer") for key in group.keys]
+    bufs = [
+        b if b is not None else torch.zeros_like(p) for b, p in zip(bufs, group.params, strict=True)
+    ]
+    update = muon_update(
+        group.params, group.grads, bufs, momentum=momentum, nesterov=nesterov, ns=group.ns
+    )
+    if normuon_beta2 is not None:
+        moments = [
+            state[key][SECOND_MOMENT]
+            if SECOND_MOMENT in state[key]
+            else p.new_zeros(second_moment_shape(p.shape))
+            for key, p in zip(group.keys, group.params, strict=True)
+        ]
+        update.second_moments, update.orthogonal = normuon_normalize(
+            update.orthogonal,
+            moments,
+            beta2=normuon_beta2,
+            columns=[key.shape[-1] for key in group.keys],  # whole, for a TP shard
+            split_dim=group.split_dim,
+            all_reduce=group.all_reduce,
+        )
+    return PendingGroup(group, bufs, update)
+
+
+@torch.no_grad()
+def commit_group(
+    pending: PendingGroup,
+    state: dict,
+    *,
+    lr: float,
+    weight_decay: float,
+    adjust_lr_fn: str | None,
+) -> int:
+    """The second phase: the new momentum and second moments into ``state``, then the
+    update into the group's ``params``.
+
+    Returns:
+        The number of matrices orthogonalized.
+    """
+    group, update = pending.group, pending.update
+    for key, buf in zip(group.keys, pending.momentum_buffers, strict=True):
+        state[key]["momentum_buffer"] = buf
+    if update.second_moments is not None:
+        for key, moment in zip(group.keys, update.second_moments, strict=True):
+            old = state[key].setdefault(SECOND_MOMENT, moment)
+            if old is not moment:  # in place: DCP loads into the state's tensors
+                old.copy_(moment)
+    apply_muon_update(
+        group.params,
+        pending.momentum_buffers,
+        update,
+        lr=lr,
+        weight_decay=weight_decay,
+        adjust_lr_fn=adjust_lr_fn,
+        shapes=group.shapes,
+    )
+    return update.matrices

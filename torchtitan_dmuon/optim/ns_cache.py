@@ -19,13 +19,19 @@ import json
 import logging
 import os
 import pathlib
+import platform
 from collections.abc import Sequence
 
 import torch
 
-from torchtitan_dmuon.optim.ns_dtype import cpu_description
-
-__all__ = ["cache_path", "device_key", "load_timings", "save_timings", "timing_key"]
+__all__ = [
+    "cache_path",
+    "cpu_description",
+    "device_key",
+    "load_timings",
+    "save_timings",
+    "timing_key",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +48,20 @@ def cache_path() -> pathlib.Path:
         base = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
         folder = pathlib.Path(base) / "torchtitan_dmuon"
     return pathlib.Path(folder) / _FILE
+
+
+def cpu_description() -> str:
+    """The CPU's model name and torch's capability string, e.g. ``"AMD EPYC (AVX2)"``."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            model = next(
+                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
+                model,
+            )
+    except OSError:
+        pass
+    return f"{model} ({torch.backends.cpu.get_cpu_capability()})"
 
 
 def device_key(device: torch.device) -> str:

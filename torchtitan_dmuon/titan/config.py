@@ -7,13 +7,17 @@ point ``torchtitan_dmuon.titan.train`` sets it), so every field below is a TOML 
 every parameter DMuon does not, keeps TorchTitan's own ``[optimizer]`` lr, beta1, beta2,
 eps and weight_decay.
 
-Choice fields are ``Literal``: TorchTitan's parser (tyro) rejects a bad value given as a
-flag, and :meth:`DMuon.__post_init__` one given in a TOML file (which tyro takes as a
-default and does not check).
+The section is a :class:`~torchtitan_dmuon.optim.config.MuonConfig`, the same object
+``Muon`` takes in Python: a setting is declared once, there. Choice fields are
+``Literal``: TorchTitan's parser (tyro) rejects a bad value given as a flag, and
+``__post_init__`` one given in a TOML file (which tyro takes as a default and does not
+check).
 """
 
-from dataclasses import dataclass, field, fields
-from typing import Literal, get_args, get_origin, get_type_hints
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
+
+from torchtitan_dmuon.optim.config import MuonConfig
 
 DEFAULT_PARAM_PATTERNS = (
     "layers.*.attention.w[qkvo].weight",
@@ -62,9 +66,13 @@ MODEL_SELECTIONS = {
 what a Muon user picks, the matrices of attention and of the dense and expert FFNs."""
 
 
-@dataclass
-class DMuon:
-    """Dedicated-ownership Muon, one owner rank per matrix ([optimizer] name = "DMuon")."""
+@dataclass(frozen=True)
+class DMuon(MuonConfig):
+    """Dedicated-ownership Muon, one owner rank per matrix ([optimizer] name = "DMuon"):
+    every field of :class:`~torchtitan_dmuon.optim.config.MuonConfig` (the optimizer's
+    settings, declared there once), and what only the trainer reads."""
+
+    where: ClassVar[str] = "[dmuon] "
 
     params: list[str] = field(default_factory=list)
     """Glob patterns over parameter names (activation-checkpoint and compile wrapper
@@ -89,60 +97,12 @@ class DMuon:
     "always" is Z3, "never" Z2, "default" Z3 without pipeline parallelism and Z2 with it
     (a stage then keeps its matrices over all its micro-batches: one broadcast per step)."""
 
-    replicate_async: bool = False
-    """HSDP only: broadcast new values across replicas asynchronously after the step, hidden
-    behind the next forward."""
-
     split_backward_with_fsdp: bool = False
     """Run a pipeline schedule that splits backward into input and weight passes (zero
     bubble, DualPipeV, a CSV with W actions) with FSDP. Off: refused at startup, since
     torch 2.13's weight pass gives FSDP's own parameters wrong gradients (with any
     optimizer); data_parallel_replicate_degree instead of data_parallel_shard_degree runs
     such schedules with DMuon's DDP-style sync, correctly."""
-
-    lr: float = 0.02
-    """Muon learning rate (before adjust_lr_fn); the LR scheduler scales it like AdamW's."""
-
-    momentum: float = 0.95
-    """Muon EMA momentum, in [0, 1)."""
-
-    nesterov: bool = True
-    """Nesterov look-ahead for Muon."""
-
-    weight_decay: float = 0.0
-    """Decoupled weight decay of the Muon matrices."""
-
-    ns_steps: int = 5
-    """Newton-Schulz iterations."""
-
-    ns_coefficients: Literal["quintic", "polar_express"] = "quintic"
-    """Newton-Schulz coefficient preset: quintic or polar_express."""
-
-    ns_backend: Literal["torch", "triton", "gram", "auto"] = "torch"
-    """Newton-Schulz implementation: torch, triton, gram or auto (per matrix shape the
-    fastest correct one, timed before step 1 by the ranks that run the shape and agreed by
-    all; the timings are cached on disk, in $TORCHTITAN_DMUON_CACHE_DIR or
-    ~/.cache/torchtitan_dmuon, so a second run measures nothing). Under tensor parallelism
-    gram and auto may use the Gram all-reduce path; torch and triton gather the matrix."""
-
-    ns_dtype: Literal["auto", "bfloat16", "float16", "float32", "float64"] = "auto"
-    """Newton-Schulz compute dtype: auto, bfloat16, float16, float32 or float64. auto: bf16
-    where the device multiplies bf16 natively and fast (CUDA; CPUs with AVX512-BF16 or AMX,
-    confirmed by a short probe), fp32 elsewhere (a CPU with AVX2 only multiplies bf16 tens
-    of times slower); decided once per job, agreed by every rank, logged with the reason."""
-
-    adjust_lr_fn: Literal["original", "match_rms_adamw", "spectral"] = "original"
-    """Per-shape learning-rate scaling: original, match_rms_adamw or spectral."""
-
-    variant: Literal["muon", "normuon"] = "muon"
-    """muon, or normuon: NorMuon (arXiv:2510.05491), each orthogonalized update divided
-    row by row by the root of an EMA of its rows' mean squares, then rescaled to its own
-    Frobenius norm (so lr and adjust_lr_fn keep their meaning); each owner keeps that
-    second moment (one value per row, state "second_moment") beside the momentum, saved
-    and resharded in checkpoints like it."""
-
-    normuon_beta2: float = 0.95
-    """NorMuon's second-moment EMA factor, in [0, 1)."""
 
     qk_clip_threshold: float = 0.0
     """QK-clip (Kimi K2's MuonClip) threshold tau; 0 (the default): off. Each step every
@@ -173,19 +133,13 @@ class DMuon:
     """
 
     def __post_init__(self) -> None:
-        """Check the choice fields and the QK-clip ranges (TOML values reach here unchecked).
+        """Check every field (TOML values reach here unchecked: tyro takes them as
+        defaults).
 
         Raises:
-            ValueError: A ``Literal`` field holds a value outside its choices, or a QK-clip
-                setting is out of its range.
+            ValueError: A field is out of its choices or range, naming it.
         """
-        hints = get_type_hints(type(self))
-        for f in fields(self):
-            if get_origin(hints[f.name]) is not Literal:
-                continue
-            choices, value = get_args(hints[f.name]), getattr(self, f.name)
-            if value not in choices:
-                raise ValueError(f"[dmuon] {f.name} must be one of {choices}, got {value!r}")
+        super().__post_init__()
         if self.qk_clip_threshold < 0:
             raise ValueError(
                 f"[dmuon] qk_clip_threshold must be >= 0 (0: off), got {self.qk_clip_threshold}"

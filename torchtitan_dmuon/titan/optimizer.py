@@ -25,8 +25,10 @@ from torchtitan.components.optimizer import OptimizersContainer
 
 from torchtitan_dmuon.engine import clip_grad_norm_, get_dedication
 from torchtitan_dmuon.engine.param_layout import local_tensor
+from torchtitan_dmuon.optim.config import AdamWConfig
+from torchtitan_dmuon.optim.muon import SECOND_MOMENT
 from torchtitan_dmuon.optim.normuon import second_moment_shape
-from torchtitan_dmuon.optimizer import SECOND_MOMENT, Muon
+from torchtitan_dmuon.optimizer import Muon
 from torchtitan_dmuon.titan.checkpoint import as_saved, load_state_into
 from torchtitan_dmuon.titan.parallelize import clean_fqn, dmuon_settings, muon_predicate
 from torchtitan_dmuon.titan.qk_clip import build_qk_clip
@@ -36,29 +38,25 @@ logger = logging.getLogger(__name__)
 __all__ = ["DMuonOptimizersContainer", "build_dmuon_optimizers"]
 
 
-def _muon_kwargs(model: nn.Module, optimizer_config, parallel_dims) -> dict:
-    settings = dmuon_settings(model)  # its choice fields were checked at parse time
-    dedicated = get_dedication(model) is not None
-    return dict(
-        qk_clip=build_qk_clip(model, settings, parallel_dims),
-        lr=settings.lr,
-        momentum=settings.momentum,
-        nesterov=settings.nesterov,
-        weight_decay=settings.weight_decay,
-        ns_steps=settings.ns_steps,
-        ns_coefficients=settings.ns_coefficients,
-        ns_dtype=settings.ns_dtype,
-        ns_backend=settings.ns_backend,
-        adjust_lr_fn=settings.adjust_lr_fn,
-        variant=settings.variant,
-        normuon_beta2=settings.normuon_beta2,
-        adamw_lr=optimizer_config.lr,
-        adamw_betas=(optimizer_config.beta1, optimizer_config.beta2),
-        adamw_eps=optimizer_config.eps,
-        adamw_weight_decay=optimizer_config.weight_decay,
+def _build_muon(model: nn.Module, optimizer_config, parallel_dims) -> Muon:
+    """The part's ``Muon``: the ``[dmuon]`` section is its :class:`MuonConfig` (checked at
+    parse time); AdamW's settings are TorchTitan's ``[optimizer]``."""
+    settings = dmuon_settings(model)
+    adamw = AdamWConfig(
+        lr=optimizer_config.lr,
+        betas=(optimizer_config.beta1, optimizer_config.beta2),
+        eps=optimizer_config.eps,
+        weight_decay=optimizer_config.weight_decay,
         # [optimizer] implementation, mapped as TorchTitan maps it for its own AdamW.
-        adamw_foreach=optimizer_config.implementation == "foreach",
-        adamw_fused=optimizer_config.implementation == "fused",
+        foreach=optimizer_config.implementation == "foreach",
+        fused=optimizer_config.implementation == "fused",
+    )
+    dedicated = get_dedication(model) is not None
+    return Muon(
+        model,
+        settings,
+        adamw=adamw,
+        qk_clip=build_qk_clip(model, settings, parallel_dims),
         # One data-parallel rank (no dedication): the [dmuon] patterns select in place.
         predicate=None if dedicated else muon_predicate(settings),
     )
@@ -86,9 +84,7 @@ class DMuonOptimizersContainer(OptimizersContainer):
 
     def __init__(self, model_parts: list[nn.Module], optimizer_config, parallel_dims) -> None:
         self.model_parts = model_parts
-        self.optimizers = [
-            Muon(m, **_muon_kwargs(m, optimizer_config, parallel_dims)) for m in model_parts
-        ]
+        self.optimizers = [_build_muon(m, optimizer_config, parallel_dims) for m in model_parts]
         self._step_seconds = 0.0
         self._pending_timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._skip_next_step = False
@@ -136,13 +132,11 @@ class DMuonOptimizersContainer(OptimizersContainer):
         """Divide every gradient of this rank by ``divisor`` (a number or a one-element
         tensor): ``p.grad`` (FSDP's and the other parameters') and the reduced gradients
         the owners hold."""
-        for model in self.model_parts:
+        for model, optimizer in zip(self.model_parts, self.optimizers, strict=True):
             grads = [p.grad for p in model.parameters() if p.grad is not None]
             for g in grads:  # one-element divisor: no host sync, any device
                 local_tensor(g).div_(divisor)
-            dedication = get_dedication(model)
-            if dedication is not None:
-                dedication.divide_owned_grads(divisor)
+            optimizer.matrices.divide_grads(divisor)
 
     def step(self, *args, **kwargs) -> None:
         if self._skip_next_step:

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from torchtitan_dmuon.optim.qk_clip import HeadRows
-from torchtitan_dmuon.qk_clip import ClippedAttention, QKClip
+from torchtitan_dmuon.optim.qk_clip import ClippedAttention, HeadRows, QKClip
 from torchtitan_dmuon.titan.config import DMuon
 
 __all__ = ["build_qk_clip"]

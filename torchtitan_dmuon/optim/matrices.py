@@ -1,0 +1,170 @@
+"""Which matrices ``Muon`` steps, and where: the protocol between the optimizer and its
+two implementations.
+
+``Muon`` is one ``torch.optim.Optimizer`` over a :class:`MatrixSet`: :class:`LocalMatrices`
+(one process: every selected matrix, stepped in place; here) or the engine's
+``OwnedMatrices`` (distributed: only the matrices this rank owns, every failure agreed by
+all ranks; :mod:`torchtitan_dmuon.engine.owned`). Everything that differs between a
+one-process and a distributed step is a method of the protocol; the math is the same
+(:func:`~torchtitan_dmuon.optim.muon.compute_group`,
+:func:`~torchtitan_dmuon.optim.muon.commit_group`).
+
+This module does not import ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol, TypeVar
+
+import torch
+from torch import nn
+
+from torchtitan_dmuon.optim.config import MuonConfig
+from torchtitan_dmuon.optim.muon import MatrixGroup
+from torchtitan_dmuon.optim.newton_schulz import matrix_count
+from torchtitan_dmuon.optim.ns_choice import Gather, NSChoice
+from torchtitan_dmuon.optim.qk_clip import QKClip
+
+__all__ = ["LocalMatrices", "MatrixSet", "local_view"]
+
+T = TypeVar("T")
+
+
+def local_view(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard, a plain tensor itself. Duck-typed on ``to_local``: this
+    module does not import ``torch.distributed``."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+class MatrixSet(Protocol):
+    """The Muon matrices of one model as one rank steps them.
+
+    Attributes:
+        params: Every Muon matrix of the model (``Muon.param_groups[0]``).
+        names: Their names.
+        device: Where their Newton-Schulz runs.
+        gather: The all-ranks gather the Newton-Schulz choice agrees through; None in
+            one process.
+    """
+
+    params: list[nn.Parameter]
+    names: list[str]
+    device: torch.device
+    gather: Gather | None
+
+    def prepare(self) -> None:
+        """Once the optimizer's own checks passed: ready the matrices for stepping (the
+        engine verifies its plan across ranks, a collective: the optimizer's first)."""
+        ...
+
+    def local_rows(self) -> dict[str, int]:
+        """Rows of each matrix on this rank (a tensor-parallel shard's), by name."""
+        ...
+
+    def ns_workload(self, backend: str, dtype: torch.dtype, steps: int) -> dict:
+        """Matrices per ``(rows, cols)`` that ``backend`` orthogonalizes here each step."""
+        ...
+
+    def divide_grads(self, divisor: torch.Tensor | float) -> None:
+        """Divide the gradients the step reads that are not a ``param.grad`` (the
+        owners' reduced gradients) by ``divisor``."""
+        ...
+
+    def begin_step(self) -> None:
+        """Before the step reads any gradient."""
+        ...
+
+    def step_phases(self, ns: NSChoice) -> list[list[MatrixGroup]]:
+        """What this rank steps, in phases computed and agreed one after the other."""
+        ...
+
+    def agreed(self, compute: Callable[[], T]) -> T:
+        """``compute()``, and every rank learns whether it raised anywhere: then all
+        raise alike, before any state changed."""
+        ...
+
+    def reduce_max(self, maxima: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Start the MAX of ``maxima`` over the data-parallel ranks; the returned call
+        waits and returns it."""
+        ...
+
+    def clip_qk(self, qk_clip: QKClip, maxima: torch.Tensor) -> None:
+        """QK-clip's rescaling of the query and key rows this rank writes."""
+        ...
+
+    def end_step(self) -> None:
+        """After the parameters changed."""
+        ...
+
+    def zero_grad(self) -> None:
+        """Drop what a backward left beside ``param.grad``."""
+        ...
+
+
+class LocalMatrices:
+    """One process: the selected matrices, stepped in place from ``param.grad``.
+    Parameters that are DTensors (tensor parallelism without data parallelism) step
+    through DTensor's own operators.
+
+    Args:
+        selected: ``(name, parameter)`` of every Muon matrix (the caller's selection).
+        config: The optimizer's settings.
+
+    Raises:
+        ValueError: ``config`` asks for what needs a dedication (``replicate_async``).
+    """
+
+    gather = None
+
+    def __init__(self, selected: list[tuple[str, nn.Parameter]], config: MuonConfig) -> None:
+        if config.replicate_async:
+            raise ValueError(
+                "replicate_async=True needs dedicate_params(..., replicate_mesh=...) (HSDP)"
+            )
+        self.names = [name for name, _ in selected]
+        self.params = [p for _, p in selected]
+        self.device = self.params[0].device if self.params else torch.device("cpu")
+
+    def prepare(self) -> None:
+        pass
+
+    def local_rows(self) -> dict[str, int]:
+        return {n: local_view(p).shape[0] for n, p in zip(self.names, self.params, strict=True)}
+
+    def ns_workload(self, backend: str, dtype: torch.dtype, steps: int) -> dict:
+        workload: dict[tuple[int, int], int] = {}
+        for p in self.params:
+            shape = (p.shape[-2], p.shape[-1])
+            workload[shape] = workload.get(shape, 0) + matrix_count(p.shape)
+        return workload
+
+    def divide_grads(self, divisor: torch.Tensor | float) -> None:
+        pass  # every gradient is a param.grad
+
+    def begin_step(self) -> None:
+        pass
+
+    def step_phases(self, ns: NSChoice) -> list[list[MatrixGroup]]:
+        stepped = [p for p in self.params if p.grad is not None]
+        grads = [p.grad for p in stepped]
+        return [[MatrixGroup(stepped, stepped, grads, ns.bind())]] if stepped else [[]]
+
+    def agreed(self, compute: Callable[[], T]) -> T:
+        return compute()
+
+    def reduce_max(self, maxima: torch.Tensor) -> Callable[[], torch.Tensor]:
+        return lambda: maxima
+
+    def clip_qk(self, qk_clip: QKClip, maxima: torch.Tensor) -> None:
+        names = set(qk_clip.weight_names)
+        masters = {
+            n: local_view(p) for n, p in zip(self.names, self.params, strict=True) if n in names
+        }
+        qk_clip.clip(maxima, masters)
+
+    def end_step(self) -> None:
+        pass
+
+    def zero_grad(self) -> None:
+        pass
