@@ -22,8 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.profiler import record_function
 
 from torchtitan_dmuon.engine import comm, patches
-from torchtitan_dmuon.engine.comm import PendingReduce
-from torchtitan_dmuon.engine.exchange import Exchange
+from torchtitan_dmuon.engine.exchange import Exchange, PendingReduce
 from torchtitan_dmuon.engine.fsdp_state import mixed_precision_of, reset_fsdp_state
 from torchtitan_dmuon.engine.geometry import log_balance
 from torchtitan_dmuon.engine.hooks import HookDriver

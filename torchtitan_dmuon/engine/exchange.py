@@ -8,16 +8,41 @@ Each sequence alone has a fixed order (see :mod:`~torchtitan_dmuon.engine.hooks`
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan_dmuon.engine import comm
-from torchtitan_dmuon.engine.comm import CommStats, PendingReduce, ShardGroups
+from torchtitan_dmuon.engine.comm import CommStats, ShardGroups
 from torchtitan_dmuon.engine.replicas import Replicas
 from torchtitan_dmuon.engine.tensor_parallel import TensorParallelNS
 from torchtitan_dmuon.engine.unit import Unit
 
-__all__ = ["Exchange"]
+__all__ = ["Exchange", "PendingReduce"]
+
+
+@dataclass
+class PendingReduce:
+    """A unit's gradient bucket on its way to the primary owner.
+
+    Attributes:
+        unit: Whose gradients.
+        bucket: The packed gradients (and has-gradient flags), reduced in place.
+        to_column: Stage 1, inside the shard group.
+        to_primary: Stage 2 under HSDP, across replicas, once started (column ranks only).
+    """
+
+    unit: Unit
+    bucket: torch.Tensor
+    to_column: dist.Work
+    to_primary: dist.Work | None = None
+
+    def wait(self) -> None:
+        self.to_column.wait()
+        if self.to_primary is not None:
+            self.to_primary.wait()
 
 
 class Exchange:

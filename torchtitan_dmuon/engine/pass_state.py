@@ -23,8 +23,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
 if TYPE_CHECKING:
-    from torchtitan_dmuon.engine.comm import PendingReduce
-    from torchtitan_dmuon.engine.exchange import Exchange
+    from torchtitan_dmuon.engine.exchange import Exchange, PendingReduce
     from torchtitan_dmuon.engine.settings import DedicationSettings
     from torchtitan_dmuon.engine.unit import Unit
 
