@@ -33,9 +33,8 @@ from torchtitan_dmuon.engine.agreement import (
     job_ns_dtype,
 )
 from torchtitan_dmuon.engine.comm import mesh_device
-from torchtitan_dmuon.engine.geometry import ns_workload
 from torchtitan_dmuon.engine.param_layout import local_tensor
-from torchtitan_dmuon.engine.selection import select_matrices
+from torchtitan_dmuon.engine.plan import select_matrices
 from torchtitan_dmuon.optim.muon import ADJUST_LR_FNS, apply_muon_update, muon_update
 from torchtitan_dmuon.optim.newton_schulz import EPS, matrix_count, resolve_ns_schedule
 from torchtitan_dmuon.optim.normuon import normuon_normalize, second_moment_shape
@@ -277,7 +276,7 @@ class Muon(torch.optim.Optimizer):
 
     def _choose_ns_backends(self, schedule, muon_params: list[nn.Parameter]) -> NSBackendReport:
         if self.dedication is not None:
-            workload = ns_workload(self.dedication, "auto", self.ns_dtype, schedule.steps)
+            workload = self.dedication.ns_workload("auto", self.ns_dtype, schedule.steps)
         else:
             workload = {}
             for p in muon_params:

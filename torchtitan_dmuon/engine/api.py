@@ -21,25 +21,28 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from torchtitan_dmuon.engine import comm
 from torchtitan_dmuon.engine.comm import all_gather_rows, mesh_device
 from torchtitan_dmuon.engine.dedication import Dedication, get_dedication
 from torchtitan_dmuon.engine.fsdp_state import reset_fsdp_state
-from torchtitan_dmuon.engine.layouts import (
+from torchtitan_dmuon.engine.param_layout import (
     check_orthogonal,
     expert_domain_mesh,
+    model_tensor_parallel_mesh,
     tensor_parallel_mesh,
     validate_meshes,
 )
-from torchtitan_dmuon.engine.planner import build_plan
-from torchtitan_dmuon.engine.selection import BoundaryPredicate, Predicate, select_matrices
+from torchtitan_dmuon.engine.plan import (
+    BoundaryPredicate,
+    Predicate,
+    build_plan,
+    select_matrices,
+)
 from torchtitan_dmuon.engine.settings import DedicationSettings
 from torchtitan_dmuon.engine.verification import (
     Intent,
     agree_on_intent,
-    model_tensor_parallel_mesh,
     selection_hash,
 )
 
@@ -71,13 +74,7 @@ def get_full_param(model: nn.Module, name: str) -> torch.Tensor:
     # on every rank, so the broadcasts match).
     pieces = [_read_entry(dedication, unit, d) for unit, d in found]
     value = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-    param, layout = found[0][1].param, found[0][1].layout
-    if layout.ep_size > 1:
-        # Every ep rank's local experts, in order.
-        placements = [Shard(0)] + [Replicate()] * (param.device_mesh.ndim - 1)
-        value = DTensor.from_local(value, param.device_mesh, placements, run_check=False)
-        value = value.full_tensor()
-    return value
+    return found[0][1].layout.all_experts(value, found[0][1].param)
 
 
 def _read_entry(dedication: Dedication, unit, d) -> torch.Tensor:
@@ -93,10 +90,7 @@ def _read_entry(dedication: Dedication, unit, d) -> torch.Tensor:
         comm.broadcast(value, unit.primary_replica, group, dedication.stats, "read").wait()
     shard_group = exchange.domain_of(unit).shard_group
     comm.broadcast(value, unit.column, shard_group, dedication.stats, "read").wait()
-    split = d.layout.split_dim
-    if split is not None:  # tensor parallelism: the shards, side by side
-        value = torch.cat(exchange.tensor_parallel.gather_shards(value), dim=split)
-    return value
+    return d.layout.unsplit(value, lambda shard: exchange.tensor_parallel.gather_shards(shard))
 
 
 def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -> None:

@@ -12,6 +12,7 @@ protocol: :meth:`owned_grads`, :meth:`before_step`, :meth:`after_step`, :meth:`z
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import weakref
 
@@ -24,13 +25,13 @@ from torch.profiler import record_function
 from torchtitan_dmuon.engine import comm, patches
 from torchtitan_dmuon.engine.exchange import Exchange, PendingReduce
 from torchtitan_dmuon.engine.fsdp_state import mixed_precision_of, reset_fsdp_state
-from torchtitan_dmuon.engine.geometry import log_balance
 from torchtitan_dmuon.engine.hooks import HookDriver
 from torchtitan_dmuon.engine.others import OtherParams
-from torchtitan_dmuon.engine.param_layout import ParamLayout
-from torchtitan_dmuon.engine.plan import DedicatedParam, Plan, UnitPlan
+from torchtitan_dmuon.engine.param_layout import ParamLayout, PieceShard
+from torchtitan_dmuon.engine.plan import DedicatedParam, Plan, UnitPlan, max_over_mean
 from torchtitan_dmuon.engine.settings import DedicationSettings
 from torchtitan_dmuon.engine.unit import Unit, bind_boundary
+from torchtitan_dmuon.optim.newton_schulz import matrix_count
 
 __all__ = ["Dedication", "get_dedication"]
 
@@ -155,7 +156,7 @@ class Dedication:
         self.bind_params()
         for boundary, units in zip(self.plan.boundaries, self.boundary_units, strict=True):
             bind_boundary(units, *mixed_precision_of(self.model, boundary.name))
-        log_balance(self)
+        self._log_balance()
         names = {d.name for d in self.plan.params}
         self.others = OtherParams(self.model, names, self.exchange.data_parallel_groups())
         self.others.broadcast_from_rank0(self.model)
@@ -280,6 +281,85 @@ class Dedication:
             for key, value in unit.memory_bytes().items():
                 total[key] += value
         return total
+
+    def held_bytes(self) -> list[int]:
+        """Bytes each rank (slot order) keeps between steps for dedicated matrices
+        (values, masters and momentum), from the plan and the bound dtypes."""
+        unit = self.units[0]
+        compute_dtype = unit.buffers[0].dtype
+        mixed = compute_dtype != unit.master_dtype  # a master beside the momentum
+        state_bytes = unit.master_dtype.itemsize * (2 if mixed else 1)
+        return self.plan.held_bytes(compute_dtype.itemsize, state_bytes)
+
+    def _log_balance(self) -> None:
+        held = self.held_bytes()
+        pieces = [d for d in self.plan.params if d.layout.is_piece]  # the split stacks'
+        logger.info(
+            "dmuon: per-rank Newton-Schulz cost max/mean %.3f, held dedicated bytes "
+            "(values + masters + momentum) max/mean %.3f (max %.1f MiB), %d stacks split "
+            "into %d pieces",
+            self.balance(),
+            max_over_mean(held),
+            max(held) / 2**20,
+            len({d.name for d in pieces}),
+            len(pieces),
+        )
+        if self.plan.expert_parallel:
+            layout = self.plan.domains[1]
+            logger.info(
+                "dmuon: expert parallelism: local experts dedicated over %d x %d ranks "
+                "(replicate x efsdp), dense matrices over %d x %d; per-rank Newton-Schulz "
+                "cost max/mean: experts %.3f, dense %.3f, together %.3f",
+                layout.replicate_size, layout.shard_size,
+                self.plan.replicate_size, self.plan.shard_size,
+                self.balance(1), self.balance(0), self.balance(),
+            )  # fmt: skip
+
+    def ns_workload(
+        self, backend: str, dtype: torch.dtype, steps: int
+    ) -> dict[tuple[int, int], int]:
+        """Matrices per ``(rows, cols)`` that ``backend`` orthogonalizes on this rank each
+        step: those of which it is the primary owner, whole, and the tensor-parallel
+        matrices its owner column gathers (the Gram path runs no backend)."""
+        out: dict[tuple[int, int], int] = {}
+        tensor_parallel = self.exchange.tp_group is not None
+        for unit in self.units:
+            if not unit.primary:
+                continue
+            for d in unit.params:
+                if tensor_parallel and d.layout.tp_ns_method(backend, dtype, steps) == "gram":
+                    continue
+                shape = d.layout.shape  # whole matrices (a piece's)
+                key = (int(shape[-2]), int(shape[-1]))
+                out[key] = out.get(key, 0) + matrix_count(shape)
+        return out
+
+    def piece_shards(self, name: str) -> list[PieceShard]:
+        """``(offsets, sizes, global rank of the primary owner)`` of every piece of the
+        split stack ``name`` in the whole stack: under expert parallelism the pieces of
+        every ``ep`` rank's local experts, and under expert tensor parallelism each
+        piece's shards (needs ``verify_plan``, which ``Muon`` runs)."""
+        if self.slot_ranks is None:
+            raise RuntimeError(
+                "the owners' global ranks are not known yet: build the Muon optimizer on "
+                "the model first (it verifies the plan across ranks)"
+            )
+        shards = []
+        for u in self.plan.units:
+            domain = self.plan.domains[u.domain]
+            slot = u.primary_replica * domain.shard_size + u.column
+            owner = functools.partial(self._owner_rank, u.domain, slot)
+            for d in u.params:
+                if d.name == name:
+                    shards += d.layout.piece_shards(owner)
+        return sorted(shards)
+
+    def _owner_rank(self, domain: int, slot: int, ep_rank: int, etp_rank: int) -> int:
+        """The global rank of the owner in ``slot`` of a plan domain (the experts': of
+        the local experts of ``ep_rank``, expert tensor-parallel shard ``etp_rank``)."""
+        if domain == 0:
+            return self.slot_ranks[slot]
+        return self.expert_owner_ranks[ep_rank, slot, etp_rank]
 
     def on_remove(self, undo) -> None:
         """Call ``undo()`` in :meth:`remove` (what attached to the dedication from outside,

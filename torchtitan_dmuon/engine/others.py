@@ -21,7 +21,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from torchtitan_dmuon.engine import comm
-from torchtitan_dmuon.engine.param_layout import local_grad, local_tensor
+from torchtitan_dmuon.engine.param_layout import like_param, local_grad, local_tensor
 from torchtitan_dmuon.engine.settings import DedicationSettings
 
 __all__ = ["OtherParams"]
@@ -117,11 +117,7 @@ class OtherParams:
             if not has_grad:
                 continue
             if isinstance(p, DTensor):  # tensor parallelism: laid out as the parameter
-                grad = mean.to(p.dtype, copy=True).view(local_tensor(p).shape)
-                p.grad = DTensor.from_local(
-                    grad, p.device_mesh, p.placements, run_check=False,
-                    shape=p.shape, stride=p.stride(),
-                )  # fmt: skip
+                p.grad = like_param(mean.to(p.dtype, copy=True).view(local_tensor(p).shape), p)
             elif p.grad is None:
                 p.grad = mean.to(p.dtype, copy=True)
             else:
