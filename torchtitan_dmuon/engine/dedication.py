@@ -4,9 +4,19 @@ It composes the layers: the :class:`~torchtitan_dmuon.engine.plan.Plan` (who own
 one :class:`~torchtitan_dmuon.engine.unit.Unit` per (boundary, owner slot) (storage and
 gradients), the :class:`~torchtitan_dmuon.engine.hooks.HookDriver` (the per-pass state),
 the :class:`~torchtitan_dmuon.engine.exchange.Exchange` (the engine's own process groups and
-the collectives over them) and :class:`~torchtitan_dmuon.engine.others.OtherParams`
-(DDP-style sync of what no FSDP module covers). The optimizer talks to it through the step
-protocol: :meth:`owned_grads`, :meth:`before_step`, :meth:`after_step`, :meth:`zero_grad`.
+the collectives over them) and :class:`OtherParams`. The optimizer talks to it through
+the step protocol: :meth:`owned_grads`, :meth:`before_step`, :meth:`after_step`,
+:meth:`zero_grad`; it also reports the balance of the plan and the Newton-Schulz workload
+of this rank. Its :class:`DedicationSettings` are given once at ``dedicate_params`` and
+frozen.
+
+:class:`OtherParams` keeps in sync the parameters that no FSDP module covers. With no
+``fully_shard`` at all (DDP-style) or a partial one, some trainable parameters that are
+not dedicated are plain tensors that nothing else keeps in sync. The engine starts them
+from the first data-parallel rank's values (as DDP does) and all-reduces their gradients
+at the end of each reduced backward, in one bucket, over the data-parallel groups (the
+shard group, then the replicate group under HSDP): never over ranks of other pipeline
+stages.
 """
 
 from __future__ import annotations
@@ -14,28 +24,167 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
-from torchtitan_dmuon.engine import comm, patches
+from torchtitan_dmuon.engine import comm, fsdp
 from torchtitan_dmuon.engine.exchange import Exchange, PendingReduce
-from torchtitan_dmuon.engine.fsdp_state import mixed_precision_of, reset_fsdp_state
 from torchtitan_dmuon.engine.hooks import HookDriver
-from torchtitan_dmuon.engine.others import OtherParams
-from torchtitan_dmuon.engine.param_layout import ParamLayout, PieceShard
+from torchtitan_dmuon.engine.param_layout import (
+    ParamLayout,
+    PieceShard,
+    like_param,
+    local_grad,
+    local_tensor,
+)
 from torchtitan_dmuon.engine.plan import DedicatedParam, Plan, UnitPlan, max_over_mean
-from torchtitan_dmuon.engine.settings import DedicationSettings
 from torchtitan_dmuon.engine.unit import Unit, bind_boundary
 from torchtitan_dmuon.optim.newton_schulz import matrix_count
 
-__all__ = ["Dedication", "get_dedication"]
+__all__ = [
+    "Dedication",
+    "DedicationSettings",
+    "OtherParams",
+    "get_dedication",
+]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DedicationSettings:
+    """How the engine moves the dedicated matrices of one model; frozen: runtime switches
+    go through :class:`~torchtitan_dmuon.engine.dedication.Dedication`'s setters.
+
+    Attributes:
+        reshard_after_forward: True (Z3): ranks outside a matrix's owner column free it
+            after forward and receive it again before backward. False (Z2): they keep it
+            until after backward, saving one broadcast per boundary per step.
+        replicate_async: HSDP only: broadcast the primaries' new values to the other
+            replicas asynchronously after the step; each unit's broadcast is waited on
+            right before the unit is next read.
+        gradient_divide_factor: Reduced gradients are divided by this. None: the number
+            of data-parallel ranks (the mean); 1.0 keeps the sum, for a loss already
+            normalized over the global batch (TorchTitan's).
+    """
+
+    reshard_after_forward: bool = True
+    replicate_async: bool = False
+    gradient_divide_factor: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.gradient_divide_factor is not None and self.gradient_divide_factor <= 0:
+            raise ValueError(
+                f"gradient_divide_factor must be > 0, got {self.gradient_divide_factor}"
+            )
+
+    def divide_factor(self, ranks: int) -> float:
+        return self.gradient_divide_factor if self.gradient_divide_factor else ranks
+
+
+def _fsdp_covered_modules(model: nn.Module) -> set[nn.Module]:
+    """Modules whose own parameters some ``fully_shard`` manages: an FSDP module and its
+    descendants. Decided by structure, not by parameter type: inside a forward FSDP2
+    swaps its parameters for plain unsharded tensors."""
+    covered: set[nn.Module] = set()
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            covered.update(module.modules())
+    return covered
+
+
+class OtherParams:
+    """The non-dedicated trainable parameters left to the engine.
+
+    Attributes:
+        params: Trainable, not dedicated, not FSDP-managed (plain tensors); empty when
+            there is one data-parallel rank.
+    """
+
+    def __init__(
+        self, model: nn.Module, dedicated_names: set[str], groups: list[dist.ProcessGroup]
+    ) -> None:
+        self._groups = groups
+        self._ranks = math.prod(dist.get_world_size(g) for g in groups)
+        covered = _fsdp_covered_modules(model)
+        named = [
+            (name, p)
+            for name, p in model.named_parameters()
+            if p.requires_grad
+            and name not in dedicated_names
+            and model.get_submodule(name.rpartition(".")[0]) not in covered
+        ]
+        if self._ranks == 1:
+            named = []
+        self.params: list[nn.Parameter] = [p for _, p in named]
+        self._fsdp_anywhere = bool(covered)
+        if named and self._fsdp_anywhere:
+            logger.info(
+                "dedicate_params: %d parameters outside every fully_shard are kept in sync "
+                "DDP-style by the engine: %s",
+                len(named),
+                [name for name, _ in named],
+            )
+
+    @torch.no_grad()
+    def broadcast_from_rank0(self, model: nn.Module) -> None:
+        """Start every replica from the values of the first data-parallel rank, as DDP
+        does (with no FSDP at all, the buffers too): from shard rank 0 inside each shard
+        group, then from replicate rank 0 across replicas."""
+        if not self.params:
+            return
+        tensors = [local_tensor(p.detach()) for p in self.params]
+        if not self._fsdp_anywhere:
+            tensors += [b.data for b in model.buffers()]
+        for group in self._groups:
+            for tensor in tensors:
+                dist.broadcast(tensor, group=group, group_src=0)
+
+    @torch.no_grad()
+    def sync_grads(self, settings: DedicationSettings, stats: comm.CommStats) -> None:
+        """Average (or sum, per ``settings``) their gradients over all ranks, in one bucket.
+
+        The bucket has a place and a has-gradient flag for every parameter, so a rank that
+        skipped a module sends the same bucket as the others: a gradient no rank computed
+        stays ``None``, one that some ranks computed counts the others as zeros (as DDP
+        with ``find_unused_parameters``).
+        """
+        if not self.params:
+            return
+        dtype = functools.reduce(torch.promote_types, (p.dtype for p in self.params))
+        bucket = comm.flagged_grad_bucket(
+            [local_grad(p) for p in self.params],
+            [local_tensor(p).numel() for p in self.params],
+            dtype,
+            self.params[0].device,
+        )
+        numel = bucket.numel() - len(self.params)
+        for group in self._groups:
+            comm.all_reduce_sum(bucket, group, stats).wait()
+        bucket[:numel].div_(settings.divide_factor(self._ranks))
+        offset = 0
+        for p, has_grad in zip(self.params, bucket[numel:].tolist(), strict=True):
+            numel = local_tensor(p).numel()
+            mean = bucket[offset : offset + numel]
+            offset += numel
+            if not has_grad:
+                continue
+            if isinstance(p, DTensor):  # tensor parallelism: laid out as the parameter
+                p.grad = like_param(mean.to(p.dtype, copy=True).view(local_tensor(p).shape), p)
+            elif p.grad is None:
+                p.grad = mean.to(p.dtype, copy=True)
+            else:
+                p.grad.copy_(mean.view_as(p.grad))
+
 
 _DEDICATIONS: weakref.WeakKeyDictionary[nn.Module, Dedication] = weakref.WeakKeyDictionary()
 
@@ -101,7 +250,7 @@ class Dedication:
         self.expert_owner_ranks: dict[tuple[int, int, int], int] | None = None
         self.initialized = False
         self._on_remove: list = []
-        patches.mark_dedicated(model, [d.name for d in plan.params])
+        fsdp.mark_dedicated(model, [d.name for d in plan.params])
         self.driver = HookDriver(self, plan.boundaries)
         self.driver.register(model)
         self.bind_params()
@@ -155,7 +304,7 @@ class Dedication:
             return
         self.bind_params()
         for boundary, units in zip(self.plan.boundaries, self.boundary_units, strict=True):
-            bind_boundary(units, *mixed_precision_of(self.model, boundary.name))
+            bind_boundary(units, *fsdp.mixed_precision_of(self.model, boundary.name))
         self._log_balance()
         names = {d.name for d in self.plan.params}
         self.others = OtherParams(self.model, names, self.exchange.data_parallel_groups())
@@ -216,7 +365,7 @@ class Dedication:
         """Discard what a failed forward or backward left: the engine's per-pass state
         and FSDP2's (whose next backward would otherwise add to gradients it kept)."""
         self.driver.reset_iter_state()
-        reset_fsdp_state(self.model)
+        fsdp.reset_fsdp_state(self.model)
 
     def before_step(self) -> None:
         if not self.initialized or self.synced_backwards == 0:
@@ -374,6 +523,6 @@ class Dedication:
             self._on_remove.pop()()
         self.driver.remove()
         _DEDICATIONS.pop(self.model, None)
-        patches.unmark_dedicated(self.model)
+        fsdp.unmark_dedicated(self.model)
         for group in self.exchange.process_groups():
             dist.destroy_process_group(group)
