@@ -13,9 +13,9 @@ collective: ``unit.py``, ``hooks.py``) and WHETHER a rank steps a matrix (only t
 owner holds its reduced gradient: ``Dedication.owned_grads``).
 
 Pipeline stages (``torch.distributed.pipelining``) over dedicated model parts: a pipeline
-schedule runs many forwards and backwards of one stage per step, interleaved
-with other stages' and, in zero-bubble schedules, with each backward split into an input
-pass and a weight pass (``torch.autograd.grad``, which fires no post-accumulate-grad hook
+schedule runs many forwards and backwards of one stage per step, interleaved with other
+stages' and, in zero-bubble schedules, with each backward split into an input pass and a
+weight pass (``torch.autograd.grad``, which fires no post-accumulate-grad hook
 and accumulates ``p.grad`` by hand). FSDP2 follows it through the stage: no gradient sync
 and no resharding after the micro-batch backwards, one reduce after the last. The stage
 knows nothing of the engine, so :func:`attach_pipeline_stage` gives the stage the same
@@ -105,6 +105,7 @@ def _read_entry(dedication: Dedication, unit, d) -> torch.Tensor:
         comm.broadcast(value, unit.primary_replica, group, dedication.stats, "read").wait()
     shard_group = exchange.domain_of(unit).shard_group
     comm.broadcast(value, unit.column, shard_group, dedication.stats, "read").wait()
+    # Looked up when called: without tensor parallelism there is no TensorParallelNS.
     return d.layout.unsplit(value, lambda shard: exchange.tensor_parallel.gather_shards(shard))
 
 

@@ -299,7 +299,7 @@ class ParamLayout:
         grad = local_grad(param)
         return None if grad is None else self.select(grad)
 
-    # ---- what the optimizer runs -------------------------------------------------------
+    # ---- tensor-parallel Newton-Schulz --------------------------------------------------
     def tp_ns_method(self, backend: str, dtype: torch.dtype, steps: int) -> str | None:
         """How its owner column's tensor-parallel ranks orthogonalize it (``"gram"`` or
         ``"gather"``, see ``optim/sharded_ns.py``), or None when each rank has its
