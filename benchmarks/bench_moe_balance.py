@@ -30,10 +30,13 @@ import torch
 from torch import nn
 from torchtitan.protocols.train_spec import get_train_spec
 
-from torchtitan_dmuon.engine.partition import PartitionItem, assign_owners
-from torchtitan_dmuon.engine.plan import Plan
-from torchtitan_dmuon.engine.planner import build_plan
-from torchtitan_dmuon.engine.selection import default_boundary_modules
+from torchtitan_dmuon.engine.plan import (
+    PartitionItem,
+    Plan,
+    assign_owners,
+    build_plan,
+    default_boundary_modules,
+)
 from torchtitan_dmuon.optim.newton_schulz import ns_flops
 
 MODELS = [

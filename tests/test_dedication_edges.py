@@ -32,7 +32,7 @@ from tests.workers import (
     train_reference,
 )
 from torchtitan_dmuon import Muon, dedicate_params, get_dedication
-from torchtitan_dmuon.engine import patches
+from torchtitan_dmuon.engine import fsdp as engine_fsdp
 
 BRANCH_STEPS = 3
 
@@ -274,15 +274,15 @@ def fsdp_patch_worker(rank, world):
     out = {}
     for installed in (True, False):
         if not installed:
-            patches.uninstall()
+            engine_fsdp.uninstall()
         model = make_model(seed=0)
         dedicate_params(model, mesh, proj_predicate)
         for layer in model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         out[installed] = {n: isinstance(p, DTensor) for n, p in model.named_parameters()}
-    patches.install()
-    out["reinstalled"] = patches.is_installed()
+    engine_fsdp.install()
+    out["reinstalled"] = engine_fsdp.is_installed()
     # Dedication.remove() undoes one model's dedication: its hooks, marks and groups go.
     model = make_model(seed=0)
     dedication = dedicate_params(model, mesh, proj_predicate)

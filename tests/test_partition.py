@@ -4,13 +4,13 @@ import pytest
 import torch
 from torch import nn
 
-from torchtitan_dmuon.engine.partition import (
+from torchtitan_dmuon.engine.plan import (
     PartitionItem,
     assign_owners,
+    build_plan,
     expert_ranges,
     load_balance,
 )
-from torchtitan_dmuon.engine.planner import build_plan
 from torchtitan_dmuon.optim.newton_schulz import ns_flops
 
 

@@ -416,7 +416,7 @@ def test_moe_configs_select_what_a_muon_user_would(config_name):
     expert weight matrices and the routed-expert stacks, and never a bias, an attention
     sink, a norm, the router gate, the embeddings or the output head."""
 
-    from torchtitan_dmuon.engine.selection import select_matrices
+    from torchtitan_dmuon.engine.plan import select_matrices
     from torchtitan_dmuon.titan.parallelize import muon_predicate
 
     cfg, model = _meta_model("--job.config_file", str(ROOT / "train_configs" / config_name))
@@ -472,7 +472,7 @@ def test_each_model_has_a_default_selection(model_flavor):
     """With the default config (llama3's patterns left out, [dmuon] params unset) each
     model DMuon wraps selects its attention, FFN and expert matrices; a pattern that
     matches nothing names the model and its default selection."""
-    from torchtitan_dmuon.engine.selection import select_matrices
+    from torchtitan_dmuon.engine.plan import select_matrices
     from torchtitan_dmuon.titan.parallelize import muon_predicate
 
     name, flavor = model_flavor

@@ -28,7 +28,7 @@ from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from torchtitan_dmuon.engine import get_dedication
 from torchtitan_dmuon.engine.owned import MuonStepError, OwnedMatrices
-from torchtitan_dmuon.engine.selection import select_matrices
+from torchtitan_dmuon.engine.plan import select_matrices
 from torchtitan_dmuon.optim.config import AdamWConfig, MuonConfig
 from torchtitan_dmuon.optim.matrices import LocalMatrices, MatrixSet
 from torchtitan_dmuon.optim.muon import commit_group, compute_group

@@ -1,4 +1,5 @@
-"""The engine's public functions: ``dedicate_params`` and the readers around it.
+"""The engine's public functions: ``dedicate_params``, the readers around it and
+``attach_pipeline_stage``.
 
 ``dedicate_params`` gives each selected matrix parameter one owner rank. The owner keeps
 the full parameter and (through the optimizer) its momentum, receives the SUM-reduced
@@ -10,6 +11,19 @@ cost, over all R x G ranks under HSDP: ``plan.py``), WHERE the hooks attach (the
 *boundary* module; all its matrices with the same owner form one *unit*, moved by one
 collective: ``unit.py``, ``hooks.py``) and WHETHER a rank steps a matrix (only the primary
 owner holds its reduced gradient: ``Dedication.owned_grads``).
+
+Pipeline stages (``torch.distributed.pipelining``) over dedicated model parts: a pipeline
+schedule runs many forwards and backwards of one stage per step, interleaved with other
+stages' and, in zero-bubble schedules, with each backward split into an input pass and a
+weight pass (``torch.autograd.grad``, which fires no post-accumulate-grad hook
+and accumulates ``p.grad`` by hand). FSDP2 follows it through the stage: no gradient sync
+and no resharding after the micro-batch backwards, one reduce after the last. The stage
+knows nothing of the engine, so :func:`attach_pipeline_stage` gives the stage the same
+protocol for its dedicated part: its backwards (the micro-batches', and the forward and
+backward the stage runs at its first step to infer shapes) run without sync and keep the
+gathered values (one gather per step under Z2); the backward the schedule marks as the
+stage's last of the step reduces the accumulated gradients to their owners once and frees
+the values; the schedule's gradient scaling reaches the owners' reduced gradients too.
 """
 
 from __future__ import annotations
@@ -21,29 +35,33 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from torchtitan_dmuon.engine import comm
 from torchtitan_dmuon.engine.comm import all_gather_rows, mesh_device
-from torchtitan_dmuon.engine.dedication import Dedication, get_dedication
-from torchtitan_dmuon.engine.fsdp_state import reset_fsdp_state
-from torchtitan_dmuon.engine.layouts import (
+from torchtitan_dmuon.engine.dedication import Dedication, DedicationSettings, get_dedication
+from torchtitan_dmuon.engine.fsdp import reset_fsdp_state
+from torchtitan_dmuon.engine.param_layout import (
     check_orthogonal,
     expert_domain_mesh,
+    model_tensor_parallel_mesh,
     tensor_parallel_mesh,
     validate_meshes,
 )
-from torchtitan_dmuon.engine.planner import build_plan
-from torchtitan_dmuon.engine.selection import BoundaryPredicate, Predicate, select_matrices
-from torchtitan_dmuon.engine.settings import DedicationSettings
+from torchtitan_dmuon.engine.plan import (
+    BoundaryPredicate,
+    Predicate,
+    build_plan,
+    select_matrices,
+)
 from torchtitan_dmuon.engine.verification import (
     Intent,
     agree_on_intent,
-    model_tensor_parallel_mesh,
     selection_hash,
 )
 
 __all__ = [
+    "attach_pipeline_stage",
     "dedicate_params",
     "get_full_param",
     "reset_iter_state",
@@ -71,13 +89,7 @@ def get_full_param(model: nn.Module, name: str) -> torch.Tensor:
     # on every rank, so the broadcasts match).
     pieces = [_read_entry(dedication, unit, d) for unit, d in found]
     value = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-    param, layout = found[0][1].param, found[0][1].layout
-    if layout.ep_size > 1:
-        # Every ep rank's local experts, in order.
-        placements = [Shard(0)] + [Replicate()] * (param.device_mesh.ndim - 1)
-        value = DTensor.from_local(value, param.device_mesh, placements, run_check=False)
-        value = value.full_tensor()
-    return value
+    return found[0][1].layout.all_experts(value, found[0][1].param)
 
 
 def _read_entry(dedication: Dedication, unit, d) -> torch.Tensor:
@@ -93,10 +105,8 @@ def _read_entry(dedication: Dedication, unit, d) -> torch.Tensor:
         comm.broadcast(value, unit.primary_replica, group, dedication.stats, "read").wait()
     shard_group = exchange.domain_of(unit).shard_group
     comm.broadcast(value, unit.column, shard_group, dedication.stats, "read").wait()
-    split = d.layout.split_dim
-    if split is not None:  # tensor parallelism: the shards, side by side
-        value = torch.cat(exchange.tensor_parallel.gather_shards(value), dim=split)
-    return value
+    # Looked up when called: without tensor parallelism there is no TensorParallelNS.
+    return d.layout.unsplit(value, lambda shard: exchange.tensor_parallel.gather_shards(shard))
 
 
 def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -> None:
@@ -244,3 +254,56 @@ def dedicate_params(
         "Z3" if reshard_after_forward else "Z2",
     )
     return dedication
+
+
+def attach_pipeline_stage(stage: _PipelineStageBase) -> None:
+    """Make ``stage`` drive the dedication of its module (``stage.submod``).
+
+    Call it on every rank, once per stage, after ``dedicate_params`` (and ``fully_shard``)
+    on the stage's module and before the schedule's first step. A stage whose module holds
+    no selected matrix needs no call (it has no dedication: plain FSDP2 and AdamW).
+
+    Raises:
+        TypeError: ``stage`` is not a pipeline stage.
+        ValueError: the stage's module has no dedication.
+        RuntimeError: the stage was attached already.
+    """
+    if not isinstance(stage, _PipelineStageBase):
+        raise TypeError(f"stage must be a pipeline stage, got {type(stage).__name__}")
+    dedication = get_dedication(stage.submod)
+    if dedication is None:
+        raise ValueError(
+            f"stage: pipeline stage {stage.stage_index}'s module has no dedication; call "
+            "dedicate_params on it (before fully_shard) first, or leave a stage without "
+            "selected matrices unattached"
+        )
+    if dedication.pipeline_stage is not None:
+        raise RuntimeError(f"pipeline stage {stage.stage_index} is already attached to DMuon")
+    backward = stage.backward_maybe_with_nosync
+    scale_grads = stage.scale_grads
+    # The stage decides when gradients are reduced, not the end of each backward.
+    dedication.set_pipeline_stage(stage.stage_index)
+
+    def backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=False):
+        result = backward(backward_type, bwd_kwargs, last_backward=last_backward)
+        if last_backward:
+            # Every schedule marks the stage's last full or weight backward of the step:
+            # the gradients of all its micro-batches are in p.grad now; reduce them to
+            # their owners, as the end of a synced backward would (every DP rank does).
+            dedication.driver.reduce_accumulated()
+        return result
+
+    def scale(grad_scale_factor: int) -> None:
+        scale_grads(grad_scale_factor)  # p.grad: FSDP's and the other parameters'
+        if grad_scale_factor != 1:
+            dedication.divide_owned_grads(grad_scale_factor)
+
+    stage.backward_maybe_with_nosync = backward_maybe_with_nosync
+    stage.scale_grads = scale
+
+    def detach() -> None:
+        # The instance attributes shadow the class's methods: deleting them restores those.
+        del stage.backward_maybe_with_nosync, stage.scale_grads
+        dedication.set_pipeline_stage(None)
+
+    dedication.on_remove(detach)

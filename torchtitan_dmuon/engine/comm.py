@@ -9,19 +9,14 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-if TYPE_CHECKING:
-    from torchtitan_dmuon.engine.unit import Unit
-
 __all__ = [
     "CollectiveCounter",
     "CommStats",
-    "PendingReduce",
     "ShardGroups",
     "all_gather_rows",
     "all_reduce_sum",
@@ -210,28 +205,6 @@ class ShardGroups:
 
     def kind(self, collective: str) -> str:
         return self.prefix + collective
-
-
-@dataclass
-class PendingReduce:
-    """A unit's gradient bucket on its way to the primary owner.
-
-    Attributes:
-        unit: Whose gradients.
-        bucket: The packed gradients (and has-gradient flags), reduced in place.
-        to_column: Stage 1, inside the shard group.
-        to_primary: Stage 2 under HSDP, across replicas, once started (column ranks only).
-    """
-
-    unit: Unit
-    bucket: torch.Tensor
-    to_column: dist.Work
-    to_primary: dist.Work | None = None
-
-    def wait(self) -> None:
-        self.to_column.wait()
-        if self.to_primary is not None:
-            self.to_primary.wait()
 
 
 def mesh_device(mesh: DeviceMesh) -> torch.device:

@@ -4,38 +4,187 @@ It composes the layers: the :class:`~torchtitan_dmuon.engine.plan.Plan` (who own
 one :class:`~torchtitan_dmuon.engine.unit.Unit` per (boundary, owner slot) (storage and
 gradients), the :class:`~torchtitan_dmuon.engine.hooks.HookDriver` (the per-pass state),
 the :class:`~torchtitan_dmuon.engine.exchange.Exchange` (the engine's own process groups and
-the collectives over them) and :class:`~torchtitan_dmuon.engine.others.OtherParams`
-(DDP-style sync of what no FSDP module covers). The optimizer talks to it through the step
-protocol: :meth:`owned_grads`, :meth:`before_step`, :meth:`after_step`, :meth:`zero_grad`.
+the collectives over them) and :class:`OtherParams`. The optimizer talks to it through
+the step protocol: :meth:`owned_grads`, :meth:`before_step`, :meth:`after_step`,
+:meth:`zero_grad`; it also reports the balance of the plan and the Newton-Schulz workload
+of this rank. Its :class:`DedicationSettings` are given once at ``dedicate_params`` and
+frozen.
+
+:class:`OtherParams` keeps in sync the parameters that no FSDP module covers. With no
+``fully_shard`` at all (DDP-style) or a partial one, some trainable parameters that are
+not dedicated are plain tensors that nothing else keeps in sync. The engine starts them
+from the first data-parallel rank's values (as DDP does) and all-reduces their gradients
+at the end of each reduced backward, in one bucket, over the data-parallel groups (the
+shard group, then the replicate group under HSDP): never over ranks of other pipeline
+stages.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+import math
 import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
-from torchtitan_dmuon.engine import comm, patches
-from torchtitan_dmuon.engine.comm import PendingReduce
-from torchtitan_dmuon.engine.exchange import Exchange
-from torchtitan_dmuon.engine.fsdp_state import mixed_precision_of, reset_fsdp_state
-from torchtitan_dmuon.engine.geometry import log_balance
+from torchtitan_dmuon.engine import comm, fsdp
+from torchtitan_dmuon.engine.exchange import Exchange, PendingReduce
 from torchtitan_dmuon.engine.hooks import HookDriver
-from torchtitan_dmuon.engine.others import OtherParams
-from torchtitan_dmuon.engine.param_layout import ParamLayout
-from torchtitan_dmuon.engine.plan import DedicatedParam, Plan, UnitPlan
-from torchtitan_dmuon.engine.settings import DedicationSettings
+from torchtitan_dmuon.engine.param_layout import (
+    ParamLayout,
+    PieceShard,
+    like_param,
+    local_grad,
+    local_tensor,
+)
+from torchtitan_dmuon.engine.plan import DedicatedParam, Plan, UnitPlan, max_over_mean
 from torchtitan_dmuon.engine.unit import Unit, bind_boundary
+from torchtitan_dmuon.optim.newton_schulz import matrix_count
 
-__all__ = ["Dedication", "get_dedication"]
+__all__ = [
+    "Dedication",
+    "DedicationSettings",
+    "OtherParams",
+    "get_dedication",
+]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DedicationSettings:
+    """How the engine moves the dedicated matrices of one model; frozen: runtime switches
+    go through :class:`~torchtitan_dmuon.engine.dedication.Dedication`'s setters.
+
+    Attributes:
+        reshard_after_forward: True (Z3): ranks outside a matrix's owner column free it
+            after forward and receive it again before backward. False (Z2): they keep it
+            until after backward, saving one broadcast per boundary per step.
+        replicate_async: HSDP only: broadcast the primaries' new values to the other
+            replicas asynchronously after the step; each unit's broadcast is waited on
+            right before the unit is next read.
+        gradient_divide_factor: Reduced gradients are divided by this. None: the number
+            of data-parallel ranks (the mean); 1.0 keeps the sum, for a loss already
+            normalized over the global batch (TorchTitan's).
+    """
+
+    reshard_after_forward: bool = True
+    replicate_async: bool = False
+    gradient_divide_factor: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.gradient_divide_factor is not None and self.gradient_divide_factor <= 0:
+            raise ValueError(
+                f"gradient_divide_factor must be > 0, got {self.gradient_divide_factor}"
+            )
+
+    def divide_factor(self, ranks: int) -> float:
+        return self.gradient_divide_factor if self.gradient_divide_factor else ranks
+
+
+def _fsdp_covered_modules(model: nn.Module) -> set[nn.Module]:
+    """Modules whose own parameters some ``fully_shard`` manages: an FSDP module and its
+    descendants. Decided by structure, not by parameter type: inside a forward FSDP2
+    swaps its parameters for plain unsharded tensors."""
+    covered: set[nn.Module] = set()
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            covered.update(module.modules())
+    return covered
+
+
+class OtherParams:
+    """The non-dedicated trainable parameters left to the engine.
+
+    Attributes:
+        params: Trainable, not dedicated, not FSDP-managed (plain tensors); empty when
+            there is one data-parallel rank.
+    """
+
+    def __init__(
+        self, model: nn.Module, dedicated_names: set[str], groups: list[dist.ProcessGroup]
+    ) -> None:
+        self._groups = groups
+        self._ranks = math.prod(dist.get_world_size(g) for g in groups)
+        covered = _fsdp_covered_modules(model)
+        named = [
+            (name, p)
+            for name, p in model.named_parameters()
+            if p.requires_grad
+            and name not in dedicated_names
+            and model.get_submodule(name.rpartition(".")[0]) not in covered
+        ]
+        if self._ranks == 1:
+            named = []
+        self.params: list[nn.Parameter] = [p for _, p in named]
+        self._fsdp_anywhere = bool(covered)
+        if named and self._fsdp_anywhere:
+            logger.info(
+                "dedicate_params: %d parameters outside every fully_shard are kept in sync "
+                "DDP-style by the engine: %s",
+                len(named),
+                [name for name, _ in named],
+            )
+
+    @torch.no_grad()
+    def broadcast_from_rank0(self, model: nn.Module) -> None:
+        """Start every replica from the values of the first data-parallel rank, as DDP
+        does (with no FSDP at all, the buffers too): from shard rank 0 inside each shard
+        group, then from replicate rank 0 across replicas."""
+        if not self.params:
+            return
+        tensors = [local_tensor(p.detach()) for p in self.params]
+        if not self._fsdp_anywhere:
+            tensors += [b.data for b in model.buffers()]
+        for group in self._groups:
+            for tensor in tensors:
+                dist.broadcast(tensor, group=group, group_src=0)
+
+    @torch.no_grad()
+    def sync_grads(self, settings: DedicationSettings, stats: comm.CommStats) -> None:
+        """Average (or sum, per ``settings``) their gradients over all ranks, in one bucket.
+
+        The bucket has a place and a has-gradient flag for every parameter, so a rank that
+        skipped a module sends the same bucket as the others: a gradient no rank computed
+        stays ``None``, one that some ranks computed counts the others as zeros (as DDP
+        with ``find_unused_parameters``).
+        """
+        if not self.params:
+            return
+        dtype = functools.reduce(torch.promote_types, (p.dtype for p in self.params))
+        bucket = comm.flagged_grad_bucket(
+            [local_grad(p) for p in self.params],
+            [local_tensor(p).numel() for p in self.params],
+            dtype,
+            self.params[0].device,
+        )
+        numel = bucket.numel() - len(self.params)
+        for group in self._groups:
+            comm.all_reduce_sum(bucket, group, stats).wait()
+        bucket[:numel].div_(settings.divide_factor(self._ranks))
+        offset = 0
+        for p, has_grad in zip(self.params, bucket[numel:].tolist(), strict=True):
+            numel = local_tensor(p).numel()
+            mean = bucket[offset : offset + numel]
+            offset += numel
+            if not has_grad:
+                continue
+            if isinstance(p, DTensor):  # tensor parallelism: laid out as the parameter
+                p.grad = like_param(mean.to(p.dtype, copy=True).view(local_tensor(p).shape), p)
+            elif p.grad is None:
+                p.grad = mean.to(p.dtype, copy=True)
+            else:
+                p.grad.copy_(mean.view_as(p.grad))
+
 
 _DEDICATIONS: weakref.WeakKeyDictionary[nn.Module, Dedication] = weakref.WeakKeyDictionary()
 
@@ -101,7 +250,7 @@ class Dedication:
         self.expert_owner_ranks: dict[tuple[int, int, int], int] | None = None
         self.initialized = False
         self._on_remove: list = []
-        patches.mark_dedicated(model, [d.name for d in plan.params])
+        fsdp.mark_dedicated(model, [d.name for d in plan.params])
         self.driver = HookDriver(self, plan.boundaries)
         self.driver.register(model)
         self.bind_params()
@@ -155,8 +304,8 @@ class Dedication:
             return
         self.bind_params()
         for boundary, units in zip(self.plan.boundaries, self.boundary_units, strict=True):
-            bind_boundary(units, *mixed_precision_of(self.model, boundary.name))
-        log_balance(self)
+            bind_boundary(units, *fsdp.mixed_precision_of(self.model, boundary.name))
+        self._log_balance()
         names = {d.name for d in self.plan.params}
         self.others = OtherParams(self.model, names, self.exchange.data_parallel_groups())
         self.others.broadcast_from_rank0(self.model)
@@ -216,7 +365,7 @@ class Dedication:
         """Discard what a failed forward or backward left: the engine's per-pass state
         and FSDP2's (whose next backward would otherwise add to gradients it kept)."""
         self.driver.reset_iter_state()
-        reset_fsdp_state(self.model)
+        fsdp.reset_fsdp_state(self.model)
 
     def before_step(self) -> None:
         if not self.initialized or self.synced_backwards == 0:
@@ -282,6 +431,85 @@ class Dedication:
                 total[key] += value
         return total
 
+    def held_bytes(self) -> list[int]:
+        """Bytes each rank (slot order) keeps between steps for dedicated matrices
+        (values, masters and momentum), from the plan and the bound dtypes."""
+        unit = self.units[0]
+        compute_dtype = unit.buffers[0].dtype
+        mixed = compute_dtype != unit.master_dtype  # a master beside the momentum
+        state_bytes = unit.master_dtype.itemsize * (2 if mixed else 1)
+        return self.plan.held_bytes(compute_dtype.itemsize, state_bytes)
+
+    def _log_balance(self) -> None:
+        held = self.held_bytes()
+        pieces = [d for d in self.plan.params if d.layout.is_piece]  # the split stacks'
+        logger.info(
+            "dmuon: per-rank Newton-Schulz cost max/mean %.3f, held dedicated bytes "
+            "(values + masters + momentum) max/mean %.3f (max %.1f MiB), %d stacks split "
+            "into %d pieces",
+            self.balance(),
+            max_over_mean(held),
+            max(held) / 2**20,
+            len({d.name for d in pieces}),
+            len(pieces),
+        )
+        if self.plan.expert_parallel:
+            layout = self.plan.domains[1]
+            logger.info(
+                "dmuon: expert parallelism: local experts dedicated over %d x %d ranks "
+                "(replicate x efsdp), dense matrices over %d x %d; per-rank Newton-Schulz "
+                "cost max/mean: experts %.3f, dense %.3f, together %.3f",
+                layout.replicate_size, layout.shard_size,
+                self.plan.replicate_size, self.plan.shard_size,
+                self.balance(1), self.balance(0), self.balance(),
+            )  # fmt: skip
+
+    def ns_workload(
+        self, backend: str, dtype: torch.dtype, steps: int
+    ) -> dict[tuple[int, int], int]:
+        """Matrices per ``(rows, cols)`` that ``backend`` orthogonalizes on this rank each
+        step: those of which it is the primary owner, whole, and the tensor-parallel
+        matrices its owner column gathers (the Gram path runs no backend)."""
+        out: dict[tuple[int, int], int] = {}
+        tensor_parallel = self.exchange.tp_group is not None
+        for unit in self.units:
+            if not unit.primary:
+                continue
+            for d in unit.params:
+                if tensor_parallel and d.layout.tp_ns_method(backend, dtype, steps) == "gram":
+                    continue
+                shape = d.layout.shape  # whole matrices (a piece's)
+                key = (int(shape[-2]), int(shape[-1]))
+                out[key] = out.get(key, 0) + matrix_count(shape)
+        return out
+
+    def piece_shards(self, name: str) -> list[PieceShard]:
+        """``(offsets, sizes, global rank of the primary owner)`` of every piece of the
+        split stack ``name`` in the whole stack: under expert parallelism the pieces of
+        every ``ep`` rank's local experts, and under expert tensor parallelism each
+        piece's shards (needs ``verify_plan``, which ``Muon`` runs)."""
+        if self.slot_ranks is None:
+            raise RuntimeError(
+                "the owners' global ranks are not known yet: build the Muon optimizer on "
+                "the model first (it verifies the plan across ranks)"
+            )
+        shards = []
+        for u in self.plan.units:
+            domain = self.plan.domains[u.domain]
+            slot = u.primary_replica * domain.shard_size + u.column
+            owner = functools.partial(self._owner_rank, u.domain, slot)
+            for d in u.params:
+                if d.name == name:
+                    shards += d.layout.piece_shards(owner)
+        return sorted(shards)
+
+    def _owner_rank(self, domain: int, slot: int, ep_rank: int, etp_rank: int) -> int:
+        """The global rank of the owner in ``slot`` of a plan domain (the experts': of
+        the local experts of ``ep_rank``, expert tensor-parallel shard ``etp_rank``)."""
+        if domain == 0:
+            return self.slot_ranks[slot]
+        return self.expert_owner_ranks[ep_rank, slot, etp_rank]
+
     def on_remove(self, undo) -> None:
         """Call ``undo()`` in :meth:`remove` (what attached to the dedication from outside,
         such as a pipeline stage's methods, goes with it)."""
@@ -295,6 +523,6 @@ class Dedication:
             self._on_remove.pop()()
         self.driver.remove()
         _DEDICATIONS.pop(self.model, None)
-        patches.unmark_dedicated(self.model)
+        fsdp.unmark_dedicated(self.model)
         for group in self.exchange.process_groups():
             dist.destroy_process_group(group)

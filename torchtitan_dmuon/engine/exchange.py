@@ -4,20 +4,72 @@ Gathers and stage-1 reduces each run on a group of their own: in backward a boun
 reduce starts when its gradients are complete, which rank-dependent branches make differ
 between ranks, so on one group the two sequences could interleave differently (a hang).
 Each sequence alone has a fixed order (see :mod:`~torchtitan_dmuon.engine.hooks`).
+
+Under HSDP (``Replicas``) each owner column exists once per replica: gradients already
+summed inside each shard group are summed once more across the replicate group onto the
+primary replica, and after the step the primary's new values are broadcast to its column
+in the other replicas, synchronously or (``replicate_async``) in the background, each
+unit's broadcast waited on right before the unit is next read.
+
+Under tensor parallelism (``TensorParallelNS``) a matrix is split along one dim over the TP
+group; its owner column's TP ranks each keep their shard, receive its reduced gradient and
+orthogonalize the matrix together: by the Gram path (one all-reduce of the unsplit dim's
+Gram per phase, never gathering the matrix) where that moves fewer bytes and the backend
+has a sharded form, else on the gathered matrix. The math is in ``optim/sharded_ns.py``;
+this holds the group, counts the bytes and logs each shape's method once.
 """
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
+
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.profiler import record_function
 
 from torchtitan_dmuon.engine import comm
-from torchtitan_dmuon.engine.comm import CommStats, PendingReduce, ShardGroups
-from torchtitan_dmuon.engine.replicas import Replicas
-from torchtitan_dmuon.engine.tensor_parallel import TensorParallelNS
+from torchtitan_dmuon.engine.comm import CommStats, ShardGroups
 from torchtitan_dmuon.engine.unit import Unit
+from torchtitan_dmuon.optim.sharded_ns import (
+    SHARDED_BACKENDS,
+    gathered_newton_schulz,
+    sharded_newton_schulz,
+    sharded_ns_bytes,
+    sharded_ns_method,
+)
 
-__all__ = ["Exchange"]
+__all__ = [
+    "Exchange",
+    "PendingReduce",
+    "Replicas",
+    "TensorParallelNS",
+]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PendingReduce:
+    """A unit's gradient bucket on its way to the primary owner.
+
+    Attributes:
+        unit: Whose gradients.
+        bucket: The packed gradients (and has-gradient flags), reduced in place.
+        to_column: Stage 1, inside the shard group.
+        to_primary: Stage 2 under HSDP, across replicas, once started (column ranks only).
+    """
+
+    unit: Unit
+    bucket: torch.Tensor
+    to_column: dist.Work
+    to_primary: dist.Work | None = None
+
+    def wait(self) -> None:
+        self.to_column.wait()
+        if self.to_primary is not None:
+            self.to_primary.wait()
 
 
 class Exchange:
@@ -160,3 +212,132 @@ class Exchange:
         """Wait for every in-flight replicate broadcast."""
         if self.replicas is not None:
             self.replicas.wait_all()
+
+
+class Replicas:
+    """The replicate group of one dedication and its in-flight broadcasts.
+
+    Attributes:
+        group: The engine's own group over the replicate dimension.
+        rank: This rank's replicate-group rank (its replica).
+        size: Number of replicas.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, rank: int, size: int, stats: comm.CommStats):
+        self.group = group
+        self.rank = rank
+        self.size = size
+        self._stats = stats
+        self._in_flight: dict[Unit, list[dist.Work]] = {}
+
+    def reduce_to_primary(self, unit: Unit, bucket: torch.Tensor) -> dist.Work:
+        """SUM a column's bucket across replicas onto the primary replica."""
+        return comm.reduce_sum(
+            bucket, unit.primary_replica, self.group, self._stats, "replicate_reduce"
+        )
+
+    def broadcast(self, units: list[Unit], async_op: bool) -> None:
+        """Send each held unit's values from its primary to its column in the other
+        replicas."""
+        with record_function("dmuon::replicate_broadcast"):
+            for unit in units:
+                if not unit.holds:
+                    continue
+                works = [
+                    comm.broadcast(
+                        buffer,
+                        unit.primary_replica,
+                        self.group,
+                        self._stats,
+                        "replicate_broadcast",
+                    )  # fmt: skip
+                    for buffer in unit.buffers
+                ]
+                if async_op:
+                    self._in_flight[unit] = works
+                else:
+                    for work in works:
+                        work.wait()
+
+    def landed(self, units: list[Unit]) -> bool:
+        """No broadcast into these units is still in flight (a timing question: the
+        answer may differ between ranks)."""
+        return all(w.is_completed() for unit in units for w in self._in_flight.get(unit, ()))
+
+    def wait(self, unit: Unit) -> None:
+        works = self._in_flight.pop(unit, None)
+        if works is not None:
+            with record_function(f"dmuon::replicate_wait b{unit.plan.boundary}"):
+                for work in works:
+                    work.wait()
+
+    def wait_all(self) -> None:
+        for unit in list(self._in_flight):
+            self.wait(unit)
+
+
+class TensorParallelNS:
+    """Newton-Schulz over one tensor-parallel group.
+
+    Attributes:
+        group: The engine's tensor-parallel group.
+        stats: Where its collectives are counted (``tp_gather``, ``tp_all_reduce``).
+    """
+
+    def __init__(self, group: dist.ProcessGroup, stats: CommStats) -> None:
+        self.group = group
+        self.stats = stats
+        self._ns_methods: dict[tuple, str] = {}
+
+    def gather_shards(self, shard: torch.Tensor) -> list[torch.Tensor]:
+        """Every tensor-parallel rank's shard (same shapes), in rank order."""
+        size = dist.get_world_size(self.group)
+        out = shard.new_empty((size * shard.shape[0], *shard.shape[1:]))
+        self.stats.record("tp_gather", out)
+        dist.all_gather_into_tensor(out, shard.contiguous(), group=self.group)
+        return list(out.chunk(size))
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """SUM-all-reduce ``tensor`` in place over the TP ranks (``tp_all_reduce``)."""
+        self.stats.record("tp_all_reduce", tensor)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+
+    def sharded_ns(
+        self, split_dim: int, ns, schedule, *, eps: float, dtype: torch.dtype, backend: str
+    ):
+        """Newton-Schulz of tensor-parallel shards split along ``split_dim``, run together
+        by the owner column's TP ranks: the Gram path (one all-reduce of the unsplit dim's
+        Gram per phase) unless gathering the matrix moves fewer bytes or ``backend`` has
+        no sharded form (then ``ns`` on the gathered matrix). Logged once per shape."""
+        size = dist.get_world_size(self.group)
+        rank = dist.get_rank(self.group)
+
+        def orthogonalize(shards: torch.Tensor) -> torch.Tensor:
+            full = list(shards.shape)
+            full[split_dim] *= size
+            method = sharded_ns_method(
+                full, split_dim, dtype.itemsize, schedule.steps, backend=backend
+            )
+            key = (tuple(full[-2:]), split_dim)
+            if key not in self._ns_methods:
+                self._ns_methods[key] = method
+                bytes_per_matrix = sharded_ns_bytes(
+                    full[-2:], split_dim, dtype.itemsize, schedule.steps
+                )
+                why = (
+                    f"ns_backend={backend!r} has no sharded form"
+                    if backend not in SHARDED_BACKENDS
+                    else "by bytes"
+                )
+                logger.info(
+                    "dmuon: tensor-parallel Newton-Schulz of %s split along dim %d over %d "
+                    "ranks: %s (%s; bytes per matrix: %s)",
+                    key[0], split_dim, size, method, why, bytes_per_matrix,
+                )  # fmt: skip
+            if method == "gram":
+                return sharded_newton_schulz(
+                    shards, split_dim, self.all_reduce, schedule, eps=eps, dtype=dtype
+                )
+            return gathered_newton_schulz(shards, split_dim, rank, self.gather_shards, ns)
+
+        return orthogonalize

@@ -21,7 +21,6 @@ from torch.profiler import record_function
 
 from torchtitan_dmuon.engine.comm import gather_over_groups, mesh_device
 from torchtitan_dmuon.engine.dedication import Dedication
-from torchtitan_dmuon.engine.geometry import ns_workload
 from torchtitan_dmuon.engine.verification import verify_plan
 from torchtitan_dmuon.optim.config import MuonConfig
 from torchtitan_dmuon.optim.muon import MatrixGroup, NSFunction
@@ -100,7 +99,7 @@ class OwnedMatrices:
         return {d.name: d.layout.local_shape[0] for d in self.dedication.plan.params}
 
     def ns_workload(self, backend: str, dtype: torch.dtype, steps: int) -> dict:
-        return ns_workload(self.dedication, backend, dtype, steps)
+        return self.dedication.ns_workload(backend, dtype, steps)
 
     def divide_grads(self, divisor: torch.Tensor | float) -> None:
         self.dedication.divide_owned_grads(divisor)

@@ -15,35 +15,80 @@ TorchTitan's layouts, and the kind each becomes:
   ``etp`` (expert TP) or both, or over the TP mesh without expert parallelism
   (``TensorParallel`` of the experts): ``EXPERT_PIECE``, a piece of this rank's local
   experts.
+
+This module also checks, on one rank and with no collective, the layouts
+``dedicate_params`` accepts: the meshes it is given, the tensor-parallel DTensors (a 2-D
+matrix split evenly along one dim over one 1-D mesh, or replicated), the expert-parallel
+stacks and the mesh of the ranks that hold the same experts. Each check names the argument
+or parameter; what depends on the rank's selection is then agreed over every rank
+(``verification.agree_on_intent``) before it raises. And it gives the views a checkpoint
+saves and loads a layout through (whole, a DTensor shard, a ``ShardedTensor`` of a stack's
+pieces), and the full value a reader gathers.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum, auto
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard as TensorShard
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed._shard.sharded_tensor.metadata import (
+    ShardedTensorMetadata,
+    TensorProperties,
+)
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from torchtitan_dmuon.optim.newton_schulz import matrix_count
+from torchtitan_dmuon.optim.sharded_ns import sharded_ns_method
 
 __all__ = [
     "LayoutKind",
     "ParamLayout",
+    "PieceShard",
+    "check_orthogonal",
+    "dedication_domain",
+    "expert_domain_mesh",
     "expert_parallel_coordinates",
     "expert_tensor_parallel_dim",
     "is_expert_parallel",
     "kind_of",
+    "like_param",
     "local_grad",
     "local_tensor",
+    "model_tensor_parallel_mesh",
+    "split_among_owners",
+    "tensor_parallel_mesh",
+    "validate_meshes",
 ]
+
+# ``(offsets, sizes, global rank of its owner)`` of one shard of a split stack, in the
+# whole stack.
+PieceShard = tuple[list[int], list[int], int]
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (a tensor-parallel matrix), else ``tensor`` itself."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def like_param(local: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
+    """``local`` (this rank's values, shaped as ``param``'s local tensor) laid out as
+    ``param``: a DTensor over its mesh and placements under tensor parallelism, else
+    ``local`` itself."""
+    if not isinstance(param, DTensor):
+        return local
+    return DTensor.from_local(
+        local, param.device_mesh, param.placements, run_check=False,
+        shape=param.shape, stride=param.stride(),
+    )  # fmt: skip
 
 
 def local_grad(param: nn.Parameter) -> torch.Tensor | None:
@@ -118,6 +163,18 @@ def kind_of(param: torch.Tensor) -> LayoutKind:
     if param.ndim == 3 and param.shape[0] > 1:
         return LayoutKind.STACK_PIECE
     return LayoutKind.WHOLE
+
+
+def dedication_domain(param: torch.Tensor) -> int:
+    """The plan domain a selected parameter is dedicated in: 1, the experts' (a stack
+    sharded over an ``ep`` or ``etp`` mesh), else 0 (the dense one)."""
+    return 1 if is_expert_parallel(param) else 0
+
+
+def split_among_owners(param: torch.Tensor) -> bool:
+    """Whether a selected parameter is a stack dedicated in pieces of its local experts,
+    each piece with an owner of its own."""
+    return kind_of(param) in (LayoutKind.STACK_PIECE, LayoutKind.EXPERT_PIECE)
 
 
 def _split_dim(param: torch.Tensor, kind: LayoutKind) -> int | None:
@@ -241,3 +298,322 @@ class ParamLayout:
         """This rank's gradient of its part of ``param``, laid out as the local value."""
         grad = local_grad(param)
         return None if grad is None else self.select(grad)
+
+    # ---- tensor-parallel Newton-Schulz --------------------------------------------------
+    def tp_ns_method(self, backend: str, dtype: torch.dtype, steps: int) -> str | None:
+        """How its owner column's tensor-parallel ranks orthogonalize it (``"gram"`` or
+        ``"gather"``, see ``optim/sharded_ns.py``), or None when each rank has its
+        matrices whole."""
+        if self.split_dim is None:
+            return None
+        return sharded_ns_method(self.shape, self.split_dim, dtype.itemsize, steps, backend=backend)
+
+    # ---- full values --------------------------------------------------------------------
+    def unsplit(
+        self, value: torch.Tensor, gather_shards: Callable[[torch.Tensor], list[torch.Tensor]]
+    ) -> torch.Tensor:
+        """The whole matrices of this rank's shard ``value``: every tensor-parallel rank's
+        shard (``gather_shards``, a collective over them) side by side along the split dim;
+        ``value`` itself when each rank has them whole."""
+        if self.split_dim is None:
+            return value
+        return torch.cat(gather_shards(value), dim=self.split_dim)
+
+    def all_experts(self, value: torch.Tensor, param: DTensor) -> torch.Tensor:
+        """Every ``ep`` rank's local experts, in order, from this rank's ``value`` of its
+        local stack (a collective over the ``ep`` mesh); ``value`` itself without expert
+        parallelism."""
+        if self.ep_size <= 1:
+            return value
+        placements = [Shard(0)] + [Replicate()] * (param.device_mesh.ndim - 1)
+        value = DTensor.from_local(value, param.device_mesh, placements, run_check=False)
+        return value.full_tensor()
+
+    # ---- checkpoint geometry ------------------------------------------------------------
+    def piece_shards(self, owner: Callable[[int, int], int]) -> list[PieceShard]:
+        """``(offsets, sizes, owner(ep rank, etp rank))`` of this piece in the whole stack,
+        as each ``ep`` rank holds it (its local experts) and in each expert
+        tensor-parallel shard; none for a whole matrix."""
+        if self.experts is None:
+            return []
+        sizes = list(self.local_shape)
+        shards = []
+        for ep_rank in range(self.ep_size):
+            for etp_rank in range(self.etp_size):
+                offsets = [self.experts_of(ep_rank)[0], 0, 0]
+                if self.split_dim is not None:
+                    offsets[self.split_dim] = etp_rank * sizes[self.split_dim]
+                shards.append((offsets, sizes, owner(ep_rank, etp_rank)))
+        return shards
+
+    @property
+    def row_blocks(self) -> bool:
+        """Whether its per-row state (NorMuon's second moment) is saved and loaded in
+        blocks of rows, one per expert tensor-parallel rank: a piece whose columns are
+        split leaves each of them a copy of the same rows, and DCP wants disjoint shards."""
+        return self.is_piece and self.splits_columns
+
+    def row_block(self, rows: int, etp_rank: int | None = None) -> tuple[int, int]:
+        """The rows of a column-split piece's per-row state that expert tensor-parallel
+        rank ``etp_rank`` (default: this rank's) saves and loads."""
+        etp_rank = self.etp_rank if etp_rank is None else etp_rank
+        return rows * etp_rank // self.etp_size, rows * (etp_rank + 1) // self.etp_size
+
+    def row_block_owners(self, shards: list[PieceShard]) -> list[int]:
+        """The global rank that loads each expert tensor-parallel rank's block of the rows
+        of this rank's piece, by etp rank, from the stack's ``shards``."""
+        first_expert = self.experts_of(self.ep_rank)[0]
+        owners = {
+            offsets[-1] // sizes[-1]: rank
+            for offsets, sizes, rank in shards
+            if offsets[0] == first_expert
+        }
+        return [owners[etp_rank] for etp_rank in range(self.etp_size)]
+
+    def saved(
+        self,
+        param: nn.Parameter,
+        local: torch.Tensor,
+        shape: torch.Size,
+        shards: Callable[[], list[PieceShard]],
+        per_row: bool = False,
+    ) -> torch.Tensor:
+        """What a checkpoint holds for a dedicated matrix's value or state of the global
+        ``shape`` (``local``, this owner's tensor; DCP loads into it in place through what
+        this returns):
+
+        * a whole matrix (also one replicated over the tensor-parallel ranks): ``local``;
+        * under tensor parallelism: this rank's shard as a DTensor laid out like the
+          parameter (DCP reassembles and reshards it);
+        * a piece of a split stack: a ``ShardedTensor`` of the stack's shape whose local
+          shard is ``local`` and whose other shards are the other owners' pieces
+          (``shards()``; under expert parallelism, of every ``ep`` rank's experts: the
+          whole stack, as without).
+
+        ``per_row``: ``local`` holds one value per row of the parameter's matrices
+        (NorMuon's second moment, ``(..., rows, 1)``): the same layout with the last dim
+        collapsed. A split of the columns leaves every tensor-parallel rank a copy of the
+        same rows: replicated in the DTensor; in a stack's piece each expert
+        tensor-parallel rank saves and loads a block of the rows of its copy
+        (:attr:`row_blocks`).
+        """
+        if self.is_piece:
+            metadata = self._piece_metadata(shards(), local, per_row)
+            # A rank owns at most one piece (or piece's shard) of each stack.
+            mine = [md for md in metadata if md.placement.rank() == dist.get_rank()]
+            if per_row and self.splits_columns:
+                # Saved from a copy, loaded into one: the loader puts it in place.
+                start, stop = self.row_block(self.local_shape[-2])
+                local = local.narrow(-2, start, stop - start).contiguous()
+            tensor_metadata = ShardedTensorMetadata(
+                metadata,
+                torch.Size(shape),
+                TensorProperties(dtype=local.dtype, layout=torch.strided),
+            )
+            return ShardedTensor._init_from_local_shards_and_global_metadata(
+                [TensorShard(local, md) for md in mine], tensor_metadata
+            )
+        if isinstance(local, DTensor) or self.split_dim is None:
+            return local  # whole (a replicated DTensor's local tensor is the whole matrix)
+        placements, stride = param.placements, param.stride()
+        if per_row:
+            # The one Shard of the (1-D) TP mesh is the split; columns split: every rank
+            # holds the same rows.
+            if self.splits_columns:
+                placements = [Replicate() if pl.is_shard() else pl for pl in placements]
+            stride = _contiguous_strides(shape)
+        return DTensor.from_local(
+            local, param.device_mesh, placements, run_check=False,
+            shape=torch.Size(shape), stride=stride,
+        )  # fmt: skip
+
+    def _piece_metadata(
+        self, shards: list[PieceShard], local: torch.Tensor, per_row: bool
+    ) -> list[ShardMetadata]:
+        """The shards of a split stack's pieces (of their per-row state: the last dim
+        collapsed; where the columns are split, each rank's block of the rows)."""
+        metadata = []
+        for offsets, sizes, rank in shards:
+            if per_row:
+                rows, row_offset = sizes[-2], offsets[-2]
+                if self.splits_columns:
+                    start, stop = self.row_block(rows, offsets[-1] // sizes[-1])
+                    rows, row_offset = stop - start, row_offset + start
+                offsets = [*offsets[:-2], row_offset, 0]
+                sizes = [*sizes[:-2], rows, 1]
+            metadata.append(ShardMetadata(offsets, sizes, placement=f"rank:{rank}/{local.device}"))
+        return metadata
+
+
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+# ---- the layouts dedicate_params accepts -------------------------------------------
+
+
+def model_tensor_parallel_mesh(model: nn.Module) -> DeviceMesh | None:
+    """The 1-D mesh of the model's first tensor-parallel DTensor parameter (not an expert
+    stack), whatever the predicate selects, or None."""
+    for p in model.parameters():
+        if isinstance(p, DTensor) and p.device_mesh.ndim == 1 and not is_expert_parallel(p):
+            return p.device_mesh
+    return None
+
+
+def check_orthogonal(mesh: DeviceMesh, tp_mesh: DeviceMesh | None) -> None:
+    """The data-parallel ``mesh`` and the tensor-parallel one share this rank only.
+
+    Raises:
+        ValueError: ``mesh`` holds other ranks of the TP mesh (the TP mesh was passed).
+    """
+    if tp_mesh is None:
+        return
+    shared = set(mesh.mesh.flatten().tolist()) & set(tp_mesh.mesh.flatten().tolist())
+    if len(shared) > 1:
+        raise ValueError(
+            f"mesh: ranks {sorted(shared)} of it are also the tensor-parallel mesh of the "
+            "selected DTensors; pass the data-parallel mesh (e.g. world_mesh['dp']): "
+            "dedicate_params finds the tensor-parallel mesh from the DTensors"
+        )
+
+
+def tensor_parallel_mesh(selected: list[tuple[str, nn.Parameter]]) -> DeviceMesh | None:
+    """The one 1-D mesh the tensor-parallel (DTensor) matrices are sharded over, or None.
+
+    Each such matrix must be a 2-D DTensor split evenly along one of its dims (TorchTitan's
+    Colwise: rows, Rowwise: columns) over that mesh, or replicated over a 1-D mesh
+    (TorchTitan's NoParallel: dedicated whole).
+
+    Raises:
+        ValueError: a layout the engine cannot handle, naming the parameter.
+    """
+    meshes = []
+    for name, p in selected:
+        if is_expert_parallel(p):
+            if expert_tensor_parallel_dim(p) is not None:  # split over the TP ranks too
+                meshes.append((name, _etp_mesh(name, p)))
+            continue
+        if not isinstance(p, DTensor):
+            continue
+        placements, shape = p.placements, tuple(p.shape)
+        if p.ndim == 2 and p.device_mesh.ndim == 1 and isinstance(placements[0], Replicate):
+            continue  # whole on every TP rank (TorchTitan's NoParallel): no TP collective
+        ok = (
+            p.ndim == 2
+            and p.device_mesh.ndim == 1
+            and isinstance(placements[0], Shard)
+            and shape[placements[0].dim] % p.device_mesh.size() == 0
+        )
+        if not ok:
+            raise ValueError(
+                f"{name!r}: a tensor-parallel matrix must be a 2-D DTensor split evenly "
+                f"along one dim over a 1-D mesh; got shape {shape}, placements {placements} "
+                f"over a {p.device_mesh.ndim}-D mesh of {p.device_mesh.size()} ranks"
+            )
+        meshes.append((name, p.device_mesh))
+    if len({tuple(m.mesh.flatten().tolist()) for _, m in meshes}) > 1:
+        raise ValueError(
+            "the tensor-parallel matrices are sharded over different meshes: "
+            f"{[(name, m.mesh.tolist()) for name, m in meshes]}"
+        )
+    return meshes[0][1] if meshes else None
+
+
+def _etp_mesh(name: str, stack: DTensor) -> DeviceMesh:
+    """The mesh an expert stack's matrices are split over (a dim of its mesh)."""
+    mesh, etp = stack.device_mesh, expert_tensor_parallel_dim(stack)
+    split = stack.placements[etp].dim
+    if stack.shape[split] % mesh.size(etp) != 0 or (mesh.ndim > 1 and not mesh.mesh_dim_names):
+        raise ValueError(
+            f"{name!r}: an expert-tensor-parallel stack must be split evenly over a named "
+            f"mesh dim; got shape {tuple(stack.shape)} over mesh dims {mesh.mesh_dim_names}"
+        )
+    return mesh if mesh.ndim == 1 else mesh[mesh.mesh_dim_names[etp]]
+
+
+def expert_domain_mesh(
+    selected: list[tuple[str, nn.Parameter]],
+    mesh: DeviceMesh,
+    expert_mesh: DeviceMesh | None,
+    tp_mesh: DeviceMesh | None,
+) -> DeviceMesh | None:
+    """The shard mesh of the experts' domain, once the stacks' layout is checked: the
+    ranks that hold the same experts (``expert_mesh``; ``mesh`` itself when the stacks
+    are split over the TP ranks only, every rank holding every expert), or None when no
+    expert stack is selected.
+
+    Raises:
+        ValueError: expert-parallel stacks without ``expert_mesh``, over different
+            meshes or unevenly, or an ``expert_mesh`` that does not make up the shard
+            mesh (times the tensor-parallel mesh, whose ranks ``ep`` may borrow)
+            together with the ``ep`` mesh.
+    """
+    stacks = [(name, p) for name, p in selected if is_expert_parallel(p)]
+    if not stacks:
+        return None
+    _, ep_size, _, etp_size = expert_parallel_coordinates(stacks[0][1])
+    if expert_mesh is None and ep_size == 1:
+        expert_mesh = mesh
+    if expert_mesh is None:
+        raise ValueError(
+            f"{stacks[0][0]!r} is sharded over an expert-parallel mesh: pass expert_mesh "
+            "(the mesh of the ranks that hold the same experts, TorchTitan's efsdp)"
+        )
+    ep_meshes = {tuple(p.device_mesh.mesh.flatten().tolist()) for _, p in stacks}
+    if len(ep_meshes) > 1:
+        raise ValueError(
+            f"the expert stacks are sharded over different meshes: {sorted(ep_meshes)}"
+        )
+    for name, p in stacks:
+        if p.shape[0] % ep_size != 0:
+            raise ValueError(
+                f"{name!r}: {p.shape[0]} experts do not split evenly over {ep_size} "
+                "expert-parallel ranks"
+            )
+    tp_size = tp_mesh.size() if tp_mesh is not None else 1
+    if expert_mesh.size() * ep_size * etp_size != mesh.size() * tp_size:
+        raise ValueError(
+            f"expert_mesh ({expert_mesh.size()} ranks) x the ep mesh ({ep_size} ranks) x "
+            f"the etp mesh ({etp_size} ranks) must make up mesh ({mesh.size()} ranks) x "
+            f"the tensor-parallel mesh ({tp_size} ranks)"
+        )
+    return expert_mesh
+
+
+def validate_meshes(
+    mesh: DeviceMesh, replicate_mesh: DeviceMesh | None, expert_mesh: DeviceMesh | None
+) -> None:
+    if not dist.is_initialized():
+        raise RuntimeError("dedicate_params needs an initialized default process group")
+    for arg, m in (
+        ("mesh", mesh),
+        ("replicate_mesh", replicate_mesh),
+        ("expert_mesh", expert_mesh),
+    ):
+        if m is None:
+            continue
+        if not isinstance(m, DeviceMesh):
+            raise TypeError(f"{arg} must be a DeviceMesh, got {type(m).__name__}")
+        if m.ndim != 1:
+            raise ValueError(
+                f"{arg} must be 1-D, got a {m.ndim}-D mesh; for HSDP pass hsdp['shard'] as "
+                "mesh and hsdp['replicate'] as replicate_mesh"
+            )
+    # The meshes need not span the world: under pipeline parallelism they are the
+    # data-parallel ranks of one stage.
+    if replicate_mesh is None:
+        return
+    shard_ranks = set(mesh.mesh.flatten().tolist())
+    replicate_ranks = set(replicate_mesh.mesh.flatten().tolist())
+    if shard_ranks & replicate_ranks != {dist.get_rank()}:
+        raise ValueError(
+            "replicate_mesh does not line up with mesh: expected the shard group "
+            f"({sorted(shard_ranks)}) and the replicate group ({sorted(replicate_ranks)}) "
+            "to meet in this rank only; use hsdp['shard'] and hsdp['replicate'] of one "
+            "2-D mesh"
+        )

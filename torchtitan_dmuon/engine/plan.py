@@ -1,12 +1,21 @@
-"""The dedication plan: which matrices, under which hook boundary, owned by which slot.
+"""The dedication plan: which parameters, under which hook boundary, owned by which slot.
 
-Pure bookkeeping, no collectives: every rank builds the same plan from the same model.
+Pure bookkeeping, no collectives: every rank builds the same plan from the same model. In
+order: which parameters Muon takes (one rule set for ``dedicate_params`` and one-process
+Muon) and the modules whose hooks move them; the owner assignment; what a plan is; how it
+is built; and the balance it reaches.
 
 Owners are *slots* ``s`` in ``[0, R * G)`` for an ``R x G`` (replicate, shard) layout (R = 1
 without HSDP). Slot ``s`` lives in shard-group *column* ``s % G`` of every replica, and its
 *primary* replica is ``s // G``: the column rank of each replica holds the matrix (to serve
 the broadcasts of its shard group), and the primary alone keeps the master and momentum
 and runs Newton-Schulz.
+
+Owners come from a greedy longest-processing-time (LPT) partition over the Newton-Schulz
+cost, with one twist: a boundary's matrices go to different owners first, so that the
+broadcasts that materialize one block come from several sources at once; and the pieces
+of one 3-D stack (groups of MoE experts) go to different owners, so that one rank never
+holds a whole layer's experts. Pure Python, deterministic.
 
 A 3-D stack of matrices (a layer's MoE experts) is split along dim 0 into up to one
 contiguous group of experts per slot, each group a *piece* with an owner of its own; the
@@ -26,22 +35,231 @@ ranks.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+import logging
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from torch import nn
 
-from torchtitan_dmuon.engine.param_layout import ParamLayout
-from torchtitan_dmuon.engine.partition import max_over_mean
+from torchtitan_dmuon.engine.param_layout import (
+    ParamLayout,
+    dedication_domain,
+    local_tensor,
+    split_among_owners,
+)
 from torchtitan_dmuon.optim.newton_schulz import ns_flops
 
 __all__ = [
     "Boundary",
+    "BoundaryPredicate",
     "DedicatedParam",
     "Domain",
+    "PartitionItem",
     "Plan",
+    "Predicate",
     "UnitPlan",
+    "assign_owners",
+    "boundary_name",
+    "build_plan",
+    "default_boundary_modules",
+    "expert_ranges",
+    "load_balance",
+    "max_over_mean",
+    "rank_loads",
+    "select_matrices",
 ]
+
+logger = logging.getLogger(__name__)
+
+Predicate = Callable[[str, nn.Parameter], bool]
+BoundaryPredicate = Callable[[str, nn.Module], bool]
+
+
+def default_boundary_modules(model: nn.Module) -> set[nn.Module]:
+    """Blocks: modules held in an ``nn.ModuleList``/``nn.ModuleDict`` (what
+    ``fully_shard`` is applied to in TorchTitan and most training scripts)."""
+    blocks = set()
+    for module in model.modules():
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            blocks.update(module.children())
+    return blocks
+
+
+def boundary_name(param_name: str, model: nn.Module, accepts: BoundaryPredicate) -> str:
+    """The innermost ancestor module of ``param_name`` that ``accepts`` ("" for the root
+    when none does)."""
+    parts = param_name.split(".")[:-1]
+    for depth in range(len(parts), 0, -1):
+        module_name = ".".join(parts[:depth])
+        if accepts(module_name, model.get_submodule(module_name)):
+            return module_name
+    return ""
+
+
+def _embedding_like(model: nn.Module) -> dict[int, str]:
+    """Parameters that Muon should not take: token embeddings, and output heads (a linear
+    layer outside the blocks that maps to a vocabulary an embedding also has)."""
+    found: dict[int, str] = {}
+    vocabularies = set()
+    for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            found[id(module.weight)] = "an embedding"
+            vocabularies.add(module.num_embeddings)
+    in_blocks = {id(m) for block in default_boundary_modules(model) for m in block.modules()}
+    for module in model.modules():
+        if (
+            isinstance(module, nn.Linear)
+            and id(module) not in in_blocks
+            and module.out_features in vocabularies
+        ):
+            found.setdefault(id(module.weight), "an output head")
+    return found
+
+
+def select_matrices(model: nn.Module, predicate: Predicate) -> list[tuple[str, nn.Parameter]]:
+    """The trainable parameters ``predicate(name, param)`` selects, as ``(name, param)``.
+
+    Every selected parameter must be a 2-D matrix or a 3-D stack of matrices (MoE
+    experts) and have one name (tied weights cannot have one owner per use). Frozen
+    matches are left out with a log line; embeddings and output heads are accepted with
+    a warning (Muon is meant for hidden matrices).
+
+    Raises:
+        ValueError: a selected parameter is tied or not a matrix.
+    """
+    names_of: dict[int, list[str]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(name)
+        params[id(p)] = p
+    embedding_like = _embedding_like(model)
+    selected, frozen = [], []
+    for key, names in names_of.items():
+        name, p = names[0], params[key]
+        if not predicate(name, p):
+            continue
+        if len(names) > 1:
+            raise ValueError(
+                f"parameter {name!r} is shared with {names[1:]} (tied weights) and cannot be "
+                "given to Muon; exclude it in the predicate"
+            )
+        if p.ndim not in (2, 3):
+            raise ValueError(
+                f"predicate selected {name!r} of shape {tuple(p.shape)}; only 2-D matrices "
+                "and 3-D stacks of matrices (MoE experts) can be given to Muon"
+            )
+        if not p.requires_grad:
+            frozen.append(name)
+            continue
+        if key in embedding_like:
+            logger.warning(
+                "Muon was given %r, which looks like %s: Muon is meant for hidden matrices; "
+                "embeddings and output heads usually train better with AdamW",
+                name,
+                embedding_like[key],
+            )
+        selected.append((name, p))
+    if frozen:
+        logger.info("Muon: %d frozen matrices left out: %s", len(frozen), frozen)
+    return selected
+
+
+# ---- owners ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PartitionItem:
+    """One matrix to place.
+
+    Attributes:
+        cost: Its Newton-Schulz cost (FLOPs; only ratios matter).
+        boundary: Index of the hook boundary it belongs to.
+        stack: For a piece of a 3-D stack split among owners, an index shared by the
+            stack's pieces only (no two of them get the same owner); None otherwise.
+    """
+
+    cost: int
+    boundary: int
+    stack: int | None = None
+
+
+def expert_ranges(experts: int, pieces: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` of ``pieces`` contiguous groups of ``experts`` matrices whose
+    sizes differ by at most one (larger first)."""
+    if not 1 <= pieces <= experts:
+        raise ValueError(f"cannot split {experts} experts into {pieces} pieces")
+    size, extra = divmod(experts, pieces)
+    ranges, start = [], 0
+    for i in range(pieces):
+        stop = start + size + (i < extra)
+        ranges.append((start, stop))
+        start = stop
+    return ranges
+
+
+def assign_owners(
+    items: Sequence[PartitionItem],
+    num_ranks: int,
+    initial_load: Sequence[int] | None = None,
+) -> list[int]:
+    """Give each item an owner rank in ``[0, num_ranks)``.
+
+    Items are taken by decreasing cost (ties: input order). Each goes to the rank that
+    holds the fewest items of its boundary so far, and among those to the least loaded
+    rank (ties: lowest rank); a stack's piece only to a rank without a piece of that
+    stack. ``initial_load`` is each rank's cost before these items (what it already owns
+    in another dedication domain).
+
+    Raises:
+        ValueError: a stack has more pieces than there are ranks.
+
+    Returns:
+        ``owners[i]`` for ``items[i]``.
+    """
+    if num_ranks < 1:
+        raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
+    load = list(initial_load) if initial_load is not None else [0] * num_ranks
+    if len(load) != num_ranks:
+        raise ValueError(f"initial_load has {len(load)} entries for {num_ranks} ranks")
+    per_boundary: dict[int, list[int]] = defaultdict(lambda: [0] * num_ranks)
+    per_stack: dict[int, set[int]] = defaultdict(set)
+    owners = [0] * len(items)
+    for i in sorted(range(len(items)), key=lambda i: (-items[i].cost, i)):
+        item = items[i]
+        held = per_boundary[item.boundary]
+        taken = per_stack[item.stack] if item.stack is not None else set()
+        candidates = [r for r in range(num_ranks) if r not in taken]
+        if not candidates:
+            raise ValueError(f"stack {item.stack} has more pieces than the {num_ranks} ranks")
+        owner = min(candidates, key=lambda r: (held[r], load[r], r))
+        owners[i] = owner
+        taken.add(owner)
+        held[owner] += 1
+        load[owner] += items[i].cost
+    return owners
+
+
+def rank_loads(items: Sequence[PartitionItem], owners: Sequence[int], num_ranks: int) -> list[int]:
+    """The cost each rank owns."""
+    load = [0] * num_ranks
+    for item, owner in zip(items, owners, strict=True):
+        load[owner] += item.cost
+    return load
+
+
+def max_over_mean(values: Sequence[float]) -> float:
+    """Max over mean of per-rank figures (1.0 is perfect balance; 1.0 when all are 0)."""
+    mean = sum(values) / len(values)
+    return max(values) / mean if mean > 0 else 1.0
+
+
+def load_balance(items: Sequence[PartitionItem], owners: Sequence[int], num_ranks: int) -> float:
+    """Max over mean of the per-rank cost (1.0 is perfect balance)."""
+    return max_over_mean(rank_loads(items, owners, num_ranks))
+
+
+# ---- the plan --------------------------------------------------------------------
 
 
 @dataclass(eq=False)
@@ -95,7 +313,7 @@ class UnitPlan:
     @property
     def whole_numel(self) -> int:
         """Elements of its whole matrices (the layout's first part)."""
-        return sum(d.numel for d in self.params if not d.layout.is_piece)
+        return sum(d.numel for d in self.params if not d.layout.is_piece)  # they come first
 
 
 @dataclass(eq=False)
@@ -195,6 +413,7 @@ class Plan:
         for i, b in enumerate(self.boundaries):
             for u in b.units:
                 for d in u.params:
+                    # A piece's experts are part of what the ranks must agree on.
                     key = (i, b.name, d.name, tuple(d.param.shape), d.layout.experts)
                     key += (u.domain, u.column, u.primary_replica)
                     h.update(repr(key).encode())
@@ -226,3 +445,109 @@ class Plan:
             for s in self.rank_slots(unit, primary=True):
                 held[s] += unit.numel * state_bytes
         return held
+
+
+# ---- building it -----------------------------------------------------------------
+
+
+def build_plan(
+    model: nn.Module,
+    selected: list[tuple[str, nn.Parameter]],
+    *,
+    shard_size: int,
+    replicate_size: int,
+    hook_boundary_predicate: BoundaryPredicate | None,
+    expert_shard_size: int | None = None,
+    expert_columns: Sequence[int] | None = None,
+) -> Plan:
+    """Group the selected matrices by boundary and owner slot.
+
+    Boundaries come in module (forward) order, so that collectives follow one fixed
+    sequence on every rank; slots come from one LPT partition per domain over its
+    ``replicate_size * shard_size`` slots, in which each 3-D stack (not tensor-parallel)
+    takes part as ``min(stack size, slots)`` pieces of contiguous experts on different
+    slots. Under expert parallelism (``expert_shard_size``, ``expert_columns``: see
+    :class:`Plan`) the local experts are placed first and the dense matrices then start
+    from the load each rank already has.
+
+    Raises:
+        ValueError: one boundary's matrices mix dtypes or devices (one flat buffer
+            each), or expert-parallel stacks come without the experts' layout.
+    """
+    if hook_boundary_predicate is None:
+        blocks = default_boundary_modules(model)
+
+        def hook_boundary_predicate(name: str, module: nn.Module) -> bool:
+            return module in blocks
+
+    names = {name: boundary_name(name, model, hook_boundary_predicate) for name, _ in selected}
+    module_order = {module: i for i, module in enumerate(model.modules())}
+    boundary_names = sorted(set(names.values()), key=lambda n: module_order[model.get_submodule(n)])
+    index = {n: i for i, n in enumerate(boundary_names)}
+    param_domains = [dedication_domain(p) for _, p in selected]
+    domains = [Domain(shard_size, replicate_size)]
+    expert_parallel = 1 in param_domains
+    if expert_parallel:
+        if expert_shard_size is None or expert_columns is None:
+            raise ValueError(
+                "expert-parallel stacks need the experts' layout (expert_shard_size and "
+                "expert_columns)"
+            )
+        domains.append(Domain(expert_shard_size, replicate_size))
+        expert_columns = list(expert_columns)
+    entries: list[list[DedicatedParam]] = [[] for _ in domains]
+    items: list[list[PartitionItem]] = [[] for _ in domains]
+    for stack, ((name, p), domain) in enumerate(zip(selected, param_domains, strict=True)):
+        if split_among_owners(p):
+            experts = local_tensor(p).shape[0]
+            for r in expert_ranges(experts, min(experts, domains[domain].slots)):
+                layout = ParamLayout.of(p, r)
+                entries[domain].append(DedicatedParam(name, p, layout))
+                items[domain].append(
+                    PartitionItem(ns_flops(layout.shape, 1), index[names[name]], stack)
+                )
+        else:
+            entries[domain].append(DedicatedParam(name, p, ParamLayout.of(p)))
+            items[domain].append(PartitionItem(ns_flops(p.shape, 1), index[names[name]]))
+    slots: list[list[int]] = [[], []]
+    initial_load = None
+    if expert_parallel:
+        slots[1] = assign_owners(items[1], domains[1].slots)
+        expert_load = rank_loads(items[1], slots[1], domains[1].slots)
+        initial_load = [
+            expert_load[(s // shard_size) * expert_shard_size + expert_columns[s % shard_size]]
+            for s in range(domains[0].slots)
+        ]
+    slots[0] = assign_owners(items[0], domains[0].slots, initial_load)
+
+    boundaries = [Boundary(name=n, module=model.get_submodule(n)) for n in boundary_names]
+    for domain, layout in enumerate(domains):
+        for entry, slot in zip(entries[domain], slots[domain], strict=True):
+            bname = names[entry.name]
+            boundary = boundaries[index[bname]]
+            key = (domain, slot // layout.shard_size, slot % layout.shard_size)
+            unit = next(
+                (u for u in boundary.units if (u.domain, u.primary_replica, u.column) == key),
+                None,
+            )
+            if unit is None:
+                unit = UnitPlan(index[bname], key[2], key[1], params=[], domain=domain)
+                boundary.units.append(unit)
+            unit.params.append(entry)
+    for boundary in boundaries:
+        boundary.units.sort(key=lambda u: (u.domain, u.primary_replica, u.column))
+        for unit in boundary.units:
+            # Whole matrices first (stable: model order), then the pieces: the unit's layout.
+            unit.params.sort(key=lambda d: d.layout.is_piece)
+        kinds = {(d.param.dtype, d.param.device.type) for d in boundary.params}
+        if len(kinds) > 1:
+            raise ValueError(
+                f"dedicated parameters under boundary {boundary.name!r} mix dtypes/devices "
+                f"{sorted(map(str, kinds))}"
+            )
+        for unit in boundary.units:
+            offset = 0
+            for d in unit.params:
+                d.offset = offset
+                offset += d.numel
+    return Plan(boundaries, domains, expert_columns if expert_parallel else None)

@@ -120,7 +120,7 @@ class Unit:
 
     def value_view(self, d: DedicatedParam) -> torch.Tensor:
         """``d``'s compute-dtype value in ``flat`` or ``pieces``."""
-        if not d.layout.is_piece:
+        if not d.layout.is_piece:  # pieces travel in a buffer of their own
             return self.view(self.flat, d)
         start = d.offset - self.plan.whole_numel
         return self.pieces[start : start + d.numel].view(d.layout.local_shape)
@@ -156,8 +156,8 @@ class Unit:
                 return None
             return torch.cat([d.layout.value(d.param).reshape(-1) for d in ds])
 
-        whole = values([d for d in self.params if not d.layout.is_piece])
-        pieces = values([d for d in self.params if d.layout.is_piece])
+        whole = values([d for d in self.params if not d.layout.is_piece])  # into ``flat``
+        pieces = values([d for d in self.params if d.layout.is_piece])  # into ``pieces``
         if self.primary and compute_dtype != self.master_dtype:
             self.master = torch.cat([t for t in (whole, pieces) if t is not None])
         # Own storage each (a master or the other buffer must not share it).
@@ -192,7 +192,7 @@ class Unit:
         """Once the unit's values are here: copy them into the refilled parameters (a rank
         outside the column then drops its copy of the pieces)."""
         for d in self.params:
-            if d.layout.is_piece:
+            if d.layout.is_piece:  # its part of the stack the model sees
                 d.layout.select(self.refilled[d.name].tensor).copy_(self.value_view(d))
             elif d.name in self.refilled:
                 self.refilled[d.name].tensor.copy_(self.value_view(d))

@@ -26,7 +26,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from torchtitan_dmuon.engine.comm import all_gather_rows, gather_over_groups, mesh_device
-from torchtitan_dmuon.engine.param_layout import is_expert_parallel
 
 if TYPE_CHECKING:
     from torchtitan_dmuon.engine.dedication import Dedication
@@ -34,7 +33,6 @@ if TYPE_CHECKING:
 __all__ = [
     "Intent",
     "agree_on_intent",
-    "model_tensor_parallel_mesh",
     "selection_hash",
     "verify_plan",
 ]
@@ -59,18 +57,10 @@ class Intent:
     error: str | None
 
 
-def model_tensor_parallel_mesh(model: nn.Module) -> DeviceMesh | None:
-    """The 1-D mesh of the model's first tensor-parallel DTensor parameter (not an expert
-    stack), whatever the predicate selects, or None."""
-    for p in model.parameters():
-        if isinstance(p, DTensor) and p.device_mesh.ndim == 1 and not is_expert_parallel(p):
-            return p.device_mesh
-    return None
-
-
 def selection_hash(selected: list[tuple[str, nn.Parameter]]) -> str:
     h = hashlib.sha256()
     for name, p in selected:
+        # The layout is part of what the ranks must agree on.
         placements = p.placements if isinstance(p, DTensor) else None
         h.update(repr((name, tuple(p.shape), placements)).encode())
     return h.hexdigest()[:16]

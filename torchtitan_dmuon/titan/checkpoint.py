@@ -17,30 +17,25 @@ whatever the old topology wrote, and the engine distributes it.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-from torch.distributed._shard.sharded_tensor.metadata import (
-    ShardedTensorMetadata,
-    TensorProperties,
-)
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     set_model_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 from torchtitan.components.checkpoint import ModelWrapper
 from torchtitan.components.lr_scheduler import LRSchedulersContainer
 
 from torchtitan_dmuon.engine import Dedication, get_dedication
-from torchtitan_dmuon.engine.geometry import piece_shards
 from torchtitan_dmuon.engine.plan import DedicatedParam
 from torchtitan_dmuon.optim.normuon import second_moment_shape
 from torchtitan_dmuon.titan.parallelize import clean_fqn
@@ -75,51 +70,19 @@ def as_saved(
     dedication: Dedication, entry: DedicatedParam, local: torch.Tensor, per_row: bool = False
 ) -> torch.Tensor:
     """What a checkpoint holds for a dedicated matrix's value or state (``local``, this
-    owner's tensor; DCP loads into it in place through what this returns):
-
-    * a whole matrix (also one replicated over the tensor-parallel ranks): ``local``;
-    * under tensor parallelism: this rank's shard as a DTensor laid out like the
-      parameter (DCP reassembles and reshards it);
-    * a piece of a split stack: a ``ShardedTensor`` of the stack's shape whose local shard
-      is ``local`` and whose other shards are the other owners' pieces (under expert
-      parallelism, of every ``ep`` rank's experts: the whole stack, as without).
+    owner's tensor; DCP loads into it in place through what this returns): whole, a
+    DTensor shard or a ``ShardedTensor`` of a stack's pieces, as its layout says (see
+    :meth:`~torchtitan_dmuon.engine.param_layout.ParamLayout.saved`).
 
     ``per_row``: ``local`` holds one value per row of the parameter's matrices (NorMuon's
-    second moment, ``(..., rows, 1)``): the same layout with the last dim collapsed. A split
-    of the columns leaves every tensor-parallel rank a copy of the same rows: replicated in
-    the DTensor; in a stack's piece each expert tensor-parallel rank saves and loads a
-    block of the rows of its copy (DCP wants disjoint shards), and
-    :func:`load_state_into` hands each block to the others after a load.
+    second moment, ``(..., rows, 1)``); where each expert tensor-parallel rank saves a
+    block of the rows of its copy, :func:`load_state_into` hands each block to the others
+    after a load.
     """
     param = entry.param
     shape = second_moment_shape(param.shape) if per_row else param.shape
-    if entry.layout.is_piece:
-        shards = _piece_metadata(dedication, entry, local, per_row)
-        # A rank owns at most one piece (or piece's shard) of each stack.
-        mine = [md for md in shards if md.placement.rank() == dist.get_rank()]
-        if per_row and entry.layout.splits_columns:
-            # Saved from a copy, loaded into one: load_state_into puts it in place.
-            start, stop = _row_block(entry.layout.local_shape[-2], entry)
-            local = local.narrow(-2, start, stop - start).contiguous()
-        metadata = ShardedTensorMetadata(
-            shards, torch.Size(shape), TensorProperties(dtype=local.dtype, layout=torch.strided)
-        )
-        return ShardedTensor._init_from_local_shards_and_global_metadata(
-            [Shard(local, md) for md in mine], metadata
-        )
-    if isinstance(local, DTensor) or entry.layout.split_dim is None:
-        return local  # whole (a replicated DTensor's local tensor is the whole matrix)
-    placements, stride = param.placements, param.stride()
-    if per_row:
-        # The one Shard of the (1-D) TP mesh is the split; columns split: every rank
-        # holds the same rows.
-        if entry.layout.splits_columns:
-            placements = [Replicate() if pl.is_shard() else pl for pl in placements]
-        stride = _contiguous_strides(shape)
-    return DTensor.from_local(
-        local, param.device_mesh, placements, run_check=False,
-        shape=torch.Size(shape), stride=stride,
-    )  # fmt: skip
+    shards = functools.partial(dedication.piece_shards, entry.name)
+    return entry.layout.saved(param, local, shape, shards, per_row)
 
 
 def load_state_into(
@@ -134,59 +97,21 @@ def load_state_into(
     over the expert tensor-parallel ranks, each of them loaded one block of the rows:
     one broadcast per block over the engine's TP group gives every rank all of them (a
     collective, run by the piece's ranks for the same entries in the same order)."""
-    if not (per_row and entry.layout.is_piece and entry.layout.splits_columns):
+    layout = entry.layout
+    if not (per_row and layout.row_blocks):
         load_into(target, loaded)
         return
     mine = loaded.local_shards()[0].tensor
-    first_expert = entry.layout.experts_of(entry.layout.ep_rank)[0]
-    owners = {
-        offsets[-1] // sizes[-1]: rank
-        for offsets, sizes, rank in piece_shards(dedication, entry.name)
-        if offsets[0] == first_expert
-    }
-    for etp_rank in range(entry.layout.etp_size):
-        start, stop = _row_block(target.shape[-2], entry, etp_rank)
+    owners = layout.row_block_owners(dedication.piece_shards(entry.name))
+    for etp_rank, owner in enumerate(owners):
+        start, stop = layout.row_block(target.shape[-2], etp_rank)
         block = (
             mine
-            if etp_rank == entry.layout.etp_rank
+            if etp_rank == layout.etp_rank
             else target.new_empty((*target.shape[:-2], stop - start, 1))
         )
-        dist.broadcast(block, src=owners[etp_rank], group=dedication.exchange.tp_group)
+        dist.broadcast(block, src=owner, group=dedication.exchange.tp_group)
         target.narrow(-2, start, stop - start).copy_(block)
-
-
-def _row_block(rows: int, entry: DedicatedParam, etp_rank: int | None = None) -> tuple[int, int]:
-    """The rows of a column-split piece's per-row state that expert tensor-parallel rank
-    ``etp_rank`` (default: this rank's) saves and loads."""
-    etp_rank = entry.layout.etp_rank if etp_rank is None else etp_rank
-    size = entry.layout.etp_size
-    return rows * etp_rank // size, rows * (etp_rank + 1) // size
-
-
-def _contiguous_strides(shape) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= size
-    return tuple(reversed(strides))
-
-
-def _piece_metadata(
-    dedication: Dedication, entry: DedicatedParam, local: torch.Tensor, per_row: bool
-) -> list[ShardMetadata]:
-    """The shards of a split stack's pieces (of their per-row state: the last dim
-    collapsed; where the columns are split, each rank's block of the rows)."""
-    shards = []
-    for offsets, sizes, rank in piece_shards(dedication, entry.name):
-        if per_row:
-            rows, row_offset = sizes[-2], offsets[-2]
-            if entry.layout.splits_columns:
-                start, stop = _row_block(rows, entry, offsets[-1] // sizes[-1])
-                rows, row_offset = stop - start, row_offset + start
-            offsets = [*offsets[:-2], row_offset, 0]
-            sizes = [*sizes[:-2], rows, 1]
-        shards.append(ShardMetadata(offsets, sizes, placement=f"rank:{rank}/{local.device}"))
-    return shards
 
 
 def load_into(target: torch.Tensor, loaded: torch.Tensor) -> None:

@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining.schedules import BACKWARD_WEIGHT
 
 from torchtitan_dmuon.engine import attach_pipeline_stage, dedicate_params, get_dedication
-from torchtitan_dmuon.engine.selection import default_boundary_modules
+from torchtitan_dmuon.engine.plan import default_boundary_modules
 from torchtitan_dmuon.titan.config import MODEL_SELECTIONS, DMuon
 
 __all__ = [

@@ -1,0 +1,134 @@
+"""What the engine reads from and resets in FSDP2's state, and its one patch of FSDP2.
+
+Recovery from a forward or backward that raised half-way needs FSDP2's part reset too; the
+engine's own part (waiting for what the failed pass issued, dropping its partial
+reduces) is :meth:`HookDriver.reset_iter_state`; :meth:`Dedication.recover` runs both, so
+that ``zero_grad()`` after a caught failure is all a training loop needs to call.
+
+One patch today: FSDP2 collects the parameters a ``fully_shard`` (or FSDP-based
+``replicate``) call manages in ``_fsdp_init._get_managed_states``, reached through a
+module-global lookup. Wrapping it there (rather than the public ``fully_shard`` name) works
+however the caller imported ``fully_shard``, and changes nothing else in FSDP2: a dedicated
+parameter is simply left out, as if passed in ``ignored_params``.
+
+Which parameters are dedicated is marked on their *modules*, by parameter name. A mark on
+the tensor would be lost when ``Module.to_empty`` or a conversion swaps the parameter
+object (``torch.utils.swap_tensors``), and a weak reference to it makes that swap fail.
+
+:func:`install` runs on ``import torchtitan_dmuon``; :func:`uninstall` is the opt-out.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp._fully_shard import _fsdp_init
+
+__all__ = [
+    "dedicated_names",
+    "install",
+    "is_installed",
+    "mark_dedicated",
+    "mixed_precision_of",
+    "reset_fsdp_state",
+    "unmark_dedicated",
+]
+
+
+def reset_fsdp_state(model: nn.Module) -> None:
+    """``FSDPModule.reset_iter_state`` on each top-most FSDP module of ``model`` (FSDP2
+    accepts it on roots only), and the unsharded gradients it keeps dropped."""
+    for name, module in model.named_modules():
+        if isinstance(module, FSDPModule) and not any(
+            isinstance(model.get_submodule(ancestor), FSDPModule) for ancestor in _ancestors(name)
+        ):
+            module.reset_iter_state()
+            _drop_unsharded_grads(module)
+
+
+def _drop_unsharded_grads(root: FSDPModule) -> None:
+    """FSDP2's ``reset_iter_state`` (torch 2.13) keeps the unsharded gradients that
+    parameter groups whose reduce-scatter never ran had accumulated (the root's norm and
+    output head, when backward fails in a block); the next backward would add to them."""
+    for module in root.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        for group in fully_shard.state(module)._fsdp_param_groups:
+            for fsdp_param in group.fsdp_params:
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                if unsharded is not None:
+                    unsharded.grad = None
+
+
+def _ancestors(name: str) -> list[str]:
+    parts = name.split(".") if name else []
+    return [".".join(parts[:depth]) for depth in range(len(parts))]
+
+
+def mixed_precision_of(model: nn.Module, boundary_name: str) -> tuple:
+    """``(param_dtype, reduce_dtype)`` of the innermost ``fully_shard`` call that covers
+    the boundary (the boundary itself or an ancestor), or ``(None, None)``."""
+    parts = boundary_name.split(".") if boundary_name else []
+    for depth in range(len(parts), -1, -1):
+        module = model.get_submodule(".".join(parts[:depth]))
+        if isinstance(module, FSDPModule):
+            policy = fully_shard.state(module)._mp_policy
+            return policy.param_dtype, policy.reduce_dtype
+    return None, None
+
+
+# ---- the patch -------------------------------------------------------------------
+
+_MARK = "_dmuon_dedicated_params"
+
+
+def mark_dedicated(model: nn.Module, names: list[str]) -> None:
+    """Mark the parameters ``names`` of ``model`` as owned by the ownership engine (on
+    their modules, by name: ``to_empty`` and ``swap_tensors`` keep the mark)."""
+    for name in names:
+        module_name, _, param_name = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        module.__dict__.setdefault(_MARK, set()).add(param_name)
+
+
+def unmark_dedicated(model: nn.Module) -> None:
+    """Drop every mark in ``model``."""
+    for module in model.modules():
+        module.__dict__.pop(_MARK, None)
+
+
+def dedicated_names(module: nn.Module) -> frozenset[str]:
+    """The names of ``module``'s own parameters that are dedicated."""
+    return frozenset(module.__dict__.get(_MARK, ()))
+
+
+_original = _fsdp_init._get_managed_states
+
+
+@functools.wraps(_original)
+def _get_managed_states_skipping_dedicated(modules, ignored_params=None):
+    skipped = {
+        p
+        for m in modules
+        for name, p in m.named_parameters(recurse=False)
+        if name in dedicated_names(m)
+    }
+    if skipped:
+        ignored_params = set(ignored_params or ()) | skipped
+    return _original(modules, ignored_params)
+
+
+def install() -> None:
+    """Route FSDP2's parameter collection through the dedicated-parameter filter."""
+    _fsdp_init._get_managed_states = _get_managed_states_skipping_dedicated
+
+
+def uninstall() -> None:
+    """Restore FSDP2's own function (dedicated parameters would then be sharded)."""
+    _fsdp_init._get_managed_states = _original
+
+
+def is_installed() -> bool:
+    return _fsdp_init._get_managed_states is _get_managed_states_skipping_dedicated
