@@ -21,7 +21,9 @@ for annotations).
   ``DedicationSettings``, DDP-style sync of the other parameters, the balance report and
   the NS workload);
 * ``verification.py``: the cross-rank verdicts (what each rank dedicates, the plan);
-  ``agreement.py``: the per-device choices every rank shares (``auto`` NS dtype, backends);
+* ``owned.py``: ``OwnedMatrices``, what ``Muon`` steps on a dedicated model (the owners'
+  matrices, every failure agreed by all ranks, the gather the Newton-Schulz choice agrees
+  through);
 * ``grad_norm.py``: gradient clipping over dedicated and FSDP parameters;
 * ``api.py``: ``dedicate_params``, the readers around it and pipeline stages
   (``attach_pipeline_stage``).
