@@ -115,6 +115,7 @@ class OwnedMatrices:
             targets = self.dedication.owned_grads()
         by_split: dict[int | None, list[tuple]] = {None: []}
         for target in targets:
+            # The shards one split dim cuts run one sharded Newton-Schulz together.
             by_split.setdefault(self.dedication.layout_of(target[0]).split_dim, []).append(target)
         alone_targets = by_split.pop(None)
         alone = [self._group(None, alone_targets, ns, ns.bind())] if alone_targets else []
@@ -140,7 +141,7 @@ class OwnedMatrices:
             grads,
             sharded_ns,
             shapes=[key.shape for key in keys],
-            split_dim=split,
+            split_dim=split,  # NorMuon's row statistics: which dim the shards split
             all_reduce=tensor_parallel.all_reduce,
         )
 
