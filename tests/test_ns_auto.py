@@ -1,6 +1,7 @@
 """``ns_backend="auto"`` and ``ns_dtype="auto"``: measured choices, cached on disk, agreed
 by every rank of a job."""
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -159,6 +160,32 @@ def test_timings_are_cached_on_disk_and_a_second_call_measures_nothing(monkeypat
     path.write_text("{not json")  # a corrupt cache is an empty one
     _, measured = timings_for(shapes[:1], SCHEDULE, eps=1e-7, dtype=torch.float32, device=cpu)
     assert measured == 1
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [{"gram": 1.0}, {"torch": None}, {"torch": -1.0}, {"torch": float("nan")}, "1.0", [1.0]],
+    ids=["no-torch", "null", "negative", "nan", "string", "list"],
+)
+def test_a_malformed_entry_is_measured_again_with_a_warning(entry, caplog):
+    """An entry that is not every backend's milliseconds, torch's among them, is not a
+    timing: it is dropped with a warning and measured again (it raised KeyError or
+    TypeError while the optimizer was built)."""
+    cpu, shape = torch.device("cpu"), (64, 192)
+    key = ns_cache.timing_key(ns_cache.device_key(cpu), shape, torch.float32, 5)
+    good = ns_cache.timing_key(ns_cache.device_key(cpu), (64, 64), torch.float32, 5)
+    ns_cache.cache_path().parent.mkdir(parents=True, exist_ok=True)
+    ns_cache.cache_path().write_text(
+        json.dumps({key: entry, good: {"torch": 2.0, "gram": 1.0}}, allow_nan=True)
+    )
+    with caplog.at_level(logging.WARNING, logger=ns_cache.__name__):
+        timings, measured = timings_for(
+            [shape, (64, 64)], SCHEDULE, eps=1e-7, dtype=torch.float32, device=cpu
+        )
+    assert measured == 1 and timings[(64, 64)] == {"torch": 2.0, "gram": 1.0}
+    assert "torch" in timings[shape] and all(v > 0 for v in timings[shape].values())
+    assert f"ignoring the malformed timing cache entry {key!r}" in caplog.text
+    assert ns_cache.load_timings()[key] == timings[shape]  # rewritten
 
 
 @pytest.mark.parametrize("order", ["first", "second"])

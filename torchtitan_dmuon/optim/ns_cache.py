@@ -6,7 +6,8 @@ Inductor keep theirs. Each entry holds the milliseconds of every correct backend
 (batched) matrix shape, keyed by what the timing depends on: the device (GPU name, or CPU
 model and torch's capability string), the torch version, the shape, the dtype and the
 number of steps. Ranks sharing a machine write it under a file lock; a missing, unreadable or
-corrupt file is an empty cache.
+corrupt file is an empty cache, a malformed entry (not every backend's milliseconds, torch's
+among them) a missing one: both logged and measured again.
 
 This module does not import ``torch.distributed``.
 """
@@ -17,6 +18,7 @@ import contextlib
 import fcntl
 import json
 import logging
+import math
 import os
 import pathlib
 import platform
@@ -88,7 +90,36 @@ def _read(path: pathlib.Path) -> dict[str, Timings]:
     except (OSError, ValueError) as err:
         logger.warning("ns_backend='auto': ignoring the unreadable timing cache %s: %s", path, err)
         return {}
-    return data if isinstance(data, dict) else {}
+    if not isinstance(data, dict):
+        logger.warning("ns_backend='auto': ignoring the timing cache %s: not an object", path)
+        return {}
+    entries = {}
+    for key, timings in data.items():
+        if _is_timings(timings):
+            entries[key] = timings
+        else:
+            logger.warning(
+                "ns_backend='auto': ignoring the malformed timing cache entry %r in %s: %r "
+                "(measured again)",
+                key, path, timings,
+            )  # fmt: skip
+    return entries
+
+
+def _is_timings(value) -> bool:
+    """Milliseconds per backend name, finite and positive, torch's among them."""
+    return (
+        isinstance(value, dict)
+        and "torch" in value
+        and all(
+            isinstance(name, str)
+            and isinstance(ms, (int, float))
+            and not isinstance(ms, bool)
+            and math.isfinite(ms)
+            and ms > 0
+            for name, ms in value.items()
+        )
+    )
 
 
 def load_timings(path: pathlib.Path | None = None) -> dict[str, Timings]:
