@@ -12,27 +12,83 @@ This module does not import ``torch.distributed``.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import ClassVar, Literal, get_args, get_origin, get_type_hints
+from types import UnionType
+from typing import ClassVar, Literal, Union, get_args, get_origin, get_type_hints
 
 import torch
 
-from torchtitan_dmuon.optim.newton_schulz import EPS, NS_PRESETS, NSSchedule, resolve_ns_schedule
+from torchtitan_dmuon.optim.newton_schulz import EPS, NSSchedule, resolve_ns_schedule
 
 __all__ = ["AdamWConfig", "MuonConfig"]
 
 NSDtypeName = Literal["auto", "bfloat16", "float16", "float32", "float64"]
 
 
-def _check_literals(config: object, where: str) -> None:
-    """Every ``Literal`` field of ``config`` holds one of its choices (a TOML value reaches
-    a dataclass unchecked)."""
+def _matches(value, hint) -> bool:
+    """Whether ``value`` is of type ``hint`` as a TOML file or a flag must give it: a bool
+    is not a number and a string is neither a bool, a number nor a list."""
+    origin, args = get_origin(hint), get_args(hint)
+    if origin is Literal:
+        return any(type(value) is type(choice) and value == choice for choice in args)
+    if origin in (Union, UnionType):
+        return any(_matches(value, arm) for arm in args)
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if origin is list:
+        return isinstance(value, list) and all(_matches(v, args[0]) for v in value)
+    if origin is tuple:
+        if not isinstance(value, tuple):
+            return False
+        if len(args) == 2 and args[1] is Ellipsis:
+            return all(_matches(v, args[0]) for v in value)
+        return len(value) == len(args) and all(map(_matches, value, args))
+    return isinstance(value, hint)
+
+
+def _describe(hint) -> str:
+    """``hint`` in an error message."""
+    origin, args = get_origin(hint), get_args(hint)
+    if origin is Literal:
+        return f"one of {args}"
+    if origin in (Union, UnionType):
+        return " or ".join(_describe(arm) for arm in args)
+    if hint is type(None):
+        return "None"
+    if origin is list:
+        return f"a list of {_describe(args[0]).removeprefix('a ').removeprefix('an ')}"
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        return "(a, b, c) triples" if get_args(args[0]) == (float,) * 3 else "a tuple"
+    if origin is tuple:
+        return f"a tuple of {len(args)} {args[0].__name__}s"
+    name = hint.__name__
+    return f"an {name}" if name[0] in "aeiou" else f"a {name}"
+
+
+def _check_types(config: object, where: str, prefix: str = "") -> None:
+    """Every field of ``config`` holds a value of its type (a TOML value reaches a
+    dataclass unchecked).
+
+    Raises:
+        ValueError: A string that is not one of a choice field's choices.
+        TypeError: Any other value of the wrong type, naming the field (as ``prefix`` +
+            its name) and the type it takes.
+    """
     hints = get_type_hints(type(config))
     for f in fields(config):
-        if get_origin(hints[f.name]) is not Literal:
+        hint, value = hints[f.name], getattr(config, f.name)
+        if _matches(value, hint):
             continue
-        choices, value = get_args(hints[f.name]), getattr(config, f.name)
-        if value not in choices:
-            raise ValueError(f"{where}{f.name} must be one of {choices}, got {value!r}")
+        message = f"{where}{prefix}{f.name} must be {_describe(hint)}, got {value!r}"
+        arms = get_args(hint) if get_origin(hint) in (Union, UnionType) else (hint,)
+        if isinstance(value, str) and any(get_origin(arm) is Literal for arm in arms):
+            raise ValueError(message)
+        raise TypeError(message)
 
 
 def _check_range(where: str, value: float, low: float, high: float | None = None) -> None:
@@ -122,20 +178,23 @@ class MuonConfig:
         if self.adjust_lr_fn is None:
             object.__setattr__(self, "adjust_lr_fn", "original")
         coefficients = self.ns_coefficients
-        if not isinstance(coefficients, str):
-            # One triple or a list of them, as tuples: hashable, and a TOML array is a list.
-            if coefficients and all(isinstance(v, (int, float)) for v in coefficients):
+        if isinstance(coefficients, (list, tuple)):
+            # One triple or a list of them, as float tuples: hashable, and a TOML array is a
+            # list (what is not numbers is left for the type check to name).
+            if coefficients and all(_matches(v, float) for v in coefficients):
                 coefficients = (coefficients,)
             object.__setattr__(
-                self, "ns_coefficients", tuple(tuple(float(v) for v in t) for t in coefficients)
+                self,
+                "ns_coefficients",
+                tuple(
+                    tuple(float(v) if _matches(v, float) else v for v in t)
+                    if isinstance(t, (list, tuple))
+                    else t
+                    for t in coefficients
+                ),
             )
         where = self.where
-        _check_literals(self, where)
-        if isinstance(self.ns_coefficients, str) and self.ns_coefficients not in NS_PRESETS:
-            raise ValueError(
-                f"{where}ns_coefficients must be one of {tuple(NS_PRESETS)} or (a, b, c) "
-                f"triples, got {self.ns_coefficients!r}"
-            )
+        _check_types(self, where)
         try:
             resolve_ns_schedule(self.ns_coefficients, self.ns_steps)
         except ValueError as err:
@@ -187,9 +246,9 @@ class AdamWConfig:
             ValueError: A field is out of its range, naming it (as the keyword
                 ``adamw_<field>`` that sets it).
         """
-        object.__setattr__(self, "betas", tuple(self.betas))
-        if len(self.betas) != 2:
-            raise ValueError(f"adamw_betas must be two numbers, got {self.betas!r}")
+        if isinstance(self.betas, list):
+            object.__setattr__(self, "betas", tuple(self.betas))
+        _check_types(self, "", prefix="adamw_")
         _check_range("adamw_lr", self.lr, 0.0)
         _check_range("adamw_betas[0]", self.betas[0], 0.0, 1.0)
         _check_range("adamw_betas[1]", self.betas[1], 0.0, 1.0)
