@@ -68,7 +68,7 @@ def test_auto_on_cpu_measures_once_and_returns_its_pick(shape, caplog):
     (key,) = ns_backends._auto_choices
     picked = ns_backends._auto_choices[key]
     assert picked in ("torch", "gram")
-    assert key == ("cpu", tuple(shape[-2:]), torch.float32, 5)
+    assert key == ("cpu", tuple(shape[-2:]), torch.float32, SCHEDULE, 1e-7)
     expected = get_ns_backend(picked)(g, SCHEDULE, dtype=torch.float32)
     assert torch.equal(out, expected) and torch.equal(again, expected)
     reference = newton_schulz(g, SCHEDULE, dtype=torch.float32)
@@ -151,7 +151,7 @@ def test_timings_are_cached_on_disk_and_a_second_call_measures_nothing(monkeypat
     assert measured == 0 and calls == shapes and second == first
     path = ns_cache.cache_path()
     assert path.parent == Path(os.environ["TORCHTITAN_DMUON_CACHE_DIR"])
-    key = ns_cache.timing_key(ns_cache.device_key(cpu), (64, 192), torch.float32, 5)
+    key = ns_cache.timing_key(ns_cache.device_key(cpu), (64, 192), torch.float32, SCHEDULE, 1e-7)
     assert torch.__version__ in key and torch.backends.cpu.get_cpu_capability() in key
     assert ns_cache.load_timings()[key] == first[(64, 192)]
     # Other steps or another dtype are other entries: measured again.
@@ -160,6 +160,27 @@ def test_timings_are_cached_on_disk_and_a_second_call_measures_nothing(monkeypat
     path.write_text("{not json")  # a corrupt cache is an empty one
     _, measured = timings_for(shapes[:1], SCHEDULE, eps=1e-7, dtype=torch.float32, device=cpu)
     assert measured == 1
+
+
+def test_timings_of_other_coefficients_eps_or_triton_are_other_entries(monkeypatch):
+    """An entry holds the backends whose result passed the check for its coefficients
+    and eps (Gram NS in bf16 passes for quintic and is off by ~0.05 for polar_express on
+    the same shapes): a job with other coefficients, another eps or another Triton
+    measures (and checks) again; so do the in-process picks."""
+    cpu, shapes = torch.device("cpu"), [(64, 64)]
+    polar = resolve_ns_schedule("polar_express", 5)
+
+    def measured(schedule, eps=1e-7):
+        return timings_for(shapes, schedule, eps=eps, dtype=torch.float32, device=cpu)[1]
+
+    assert measured(SCHEDULE) == 1 and measured(SCHEDULE) == 0
+    assert measured(polar) == 1 and measured(polar) == 0
+    assert measured(SCHEDULE, eps=1e-6) == 1
+    monkeypatch.setattr(ns_cache, "_triton_version", lambda: "0.0-other")
+    assert measured(SCHEDULE) == 1
+    assert len(ns_cache.load_timings()) == 4
+    quintic_key = ns_backends.auto_key(cpu, (64, 64), torch.float32, SCHEDULE, 1e-7)
+    assert quintic_key != ns_backends.auto_key(cpu, (64, 64), torch.float32, polar, 1e-7)
 
 
 @pytest.mark.parametrize(
@@ -172,8 +193,8 @@ def test_a_malformed_entry_is_measured_again_with_a_warning(entry, caplog):
     timing: it is dropped with a warning and measured again (it raised KeyError or
     TypeError while the optimizer was built)."""
     cpu, shape = torch.device("cpu"), (64, 192)
-    key = ns_cache.timing_key(ns_cache.device_key(cpu), shape, torch.float32, 5)
-    good = ns_cache.timing_key(ns_cache.device_key(cpu), (64, 64), torch.float32, 5)
+    key = ns_cache.timing_key(ns_cache.device_key(cpu), shape, torch.float32, SCHEDULE, 1e-7)
+    good = ns_cache.timing_key(ns_cache.device_key(cpu), (64, 64), torch.float32, SCHEDULE, 1e-7)
     ns_cache.cache_path().parent.mkdir(parents=True, exist_ok=True)
     ns_cache.cache_path().write_text(
         json.dumps({key: entry, good: {"torch": 2.0, "gram": 1.0}}, allow_nan=True)

@@ -70,7 +70,7 @@ _AUTO_TOLERANCE = {torch.bfloat16: 5e-2, torch.float16: 5e-2, torch.float32: 1e-
 # The pick per auto_key, agreed by the job's ranks or measured in this process.
 _auto_choices: dict[tuple, str] = {}
 
-AutoKey = tuple[str, tuple[int, int], torch.dtype, int]
+AutoKey = tuple[str, tuple[int, int], torch.dtype, NSSchedule, float]
 Timings = ns_cache.Timings
 
 
@@ -109,9 +109,12 @@ def _candidates(device: torch.device) -> tuple[str, ...]:
     return ("triton", "gram") if device.type == "cuda" else ("gram",)
 
 
-def auto_key(device: torch.device, shape: Sequence[int], dtype: torch.dtype, steps: int) -> AutoKey:
-    """What an ``"auto"`` pick is per: device type, ``(rows, cols)``, dtype, steps."""
-    return (device.type, (int(shape[-2]), int(shape[-1])), dtype, steps)
+def auto_key(
+    device: torch.device, shape: Sequence[int], dtype: torch.dtype, schedule: NSSchedule, eps: float
+) -> AutoKey:
+    """What an ``"auto"`` pick is per: device type, ``(rows, cols)``, dtype, schedule, eps
+    (a backend is checked against torch's result for those)."""
+    return (device.type, (int(shape[-2]), int(shape[-1])), dtype, schedule, eps)
 
 
 def needs_choice(device: torch.device, shape: Sequence[int], dtype: torch.dtype) -> bool:
@@ -172,7 +175,7 @@ def timings_for(
         The timings per shape, and how many shapes were measured (not in the cache).
     """
     where = ns_cache.device_key(device)
-    keys = {shape: ns_cache.timing_key(where, shape, dtype, schedule.steps) for shape in shapes}
+    keys = {shape: ns_cache.timing_key(where, shape, dtype, schedule, eps) for shape in shapes}
     cached = ns_cache.load_timings()
     out = {shape: cached[key] for shape, key in keys.items() if key in cached}
     measured = {}
@@ -217,7 +220,7 @@ def choose_ns_backend(
     without one is measured here (through the disk cache), picked and logged."""
     if not needs_choice(grad.device, grad.shape, dtype):
         return "torch"
-    key = auto_key(grad.device, grad.shape, dtype, schedule.steps)
+    key = auto_key(grad.device, grad.shape, dtype, schedule, eps)
     if key not in _auto_choices:
         shape = tuple(grad.shape)
         timings, _ = timings_for([shape], schedule, eps=eps, dtype=dtype, device=grad.device)

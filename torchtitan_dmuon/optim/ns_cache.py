@@ -3,11 +3,12 @@
 One JSON file, ``ns_backend_timings.json``, in ``$TORCHTITAN_DMUON_CACHE_DIR`` or else
 ``$XDG_CACHE_HOME/torchtitan_dmuon`` (``~/.cache/torchtitan_dmuon``), as Triton and
 Inductor keep theirs. Each entry holds the milliseconds of every correct backend for one
-(batched) matrix shape, keyed by what the timing depends on: the device (GPU name, or CPU
-model and torch's capability string), the torch version, the shape, the dtype and the
-number of steps. Ranks sharing a machine write it under a file lock; a missing, unreadable or
-corrupt file is an empty cache, a malformed entry (not every backend's milliseconds, torch's
-among them) a missing one: both logged and measured again.
+(batched) matrix shape, keyed by what the timing and the correctness check depend on: the
+device (GPU name, or CPU model and torch's capability string), the torch and Triton
+versions, the shape, the dtype, the steps, the coefficients and eps. Ranks sharing a
+machine write it under a file lock; a missing, unreadable or corrupt file is an empty
+cache, a malformed entry (not every backend's milliseconds, torch's among them) a missing
+one: both logged and measured again.
 
 This module does not import ``torch.distributed``.
 """
@@ -16,6 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
+import hashlib
+import importlib.metadata
 import json
 import logging
 import math
@@ -25,6 +29,8 @@ import platform
 from collections.abc import Sequence
 
 import torch
+
+from torchtitan_dmuon.optim.newton_schulz import NSSchedule
 
 __all__ = [
     "cache_path",
@@ -75,11 +81,30 @@ def device_key(device: torch.device) -> str:
     return cpu_description() if device.type == "cpu" else device.type
 
 
-def timing_key(device: str, shape: Sequence[int], dtype: torch.dtype, steps: int) -> str:
-    """One entry's key: ``device_key``, torch version, the (batched) shape as
-    ``[batch x ]rows x cols``, dtype, steps."""
+@functools.cache
+def _triton_version() -> str:
+    """The installed Triton's version, read without importing it, or ``"none"``."""
+    for name in ("triton", "pytorch-triton"):
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "none"
+
+
+def timing_key(
+    device: str, shape: Sequence[int], dtype: torch.dtype, schedule: NSSchedule, eps: float
+) -> str:
+    """One entry's key: everything its timings and its backends' correctness check depend
+    on: ``device_key``, the torch and Triton versions, the (batched) shape as
+    ``[batch x ]rows x cols``, dtype, steps, the coefficients (a digest of every step's
+    triple and the norm scale) and eps."""
     dims = "x".join(str(int(d)) for d in shape)
-    return f"{device} | torch {torch.__version__} | {dims} | {dtype} | {steps} steps"
+    digest = hashlib.sha1(repr((schedule.coefficients, schedule.norm_scale)).encode()).hexdigest()
+    return (
+        f"{device} | torch {torch.__version__} | triton {_triton_version()} | {dims} | "
+        f"{dtype} | {schedule.steps} steps, coefficients {digest[:12]}, eps {eps:g}"
+    )
 
 
 def _read(path: pathlib.Path) -> dict[str, Timings]:

@@ -324,7 +324,7 @@ def _agree_ns_backends(
             per_shape.setdefault(shape, []).append(measurement)
     picks = {shape: pick_backend(per_shape[shape]) for shape in sorted(per_shape)}
     set_auto_choices(
-        {auto_key(device, shape, dtype, schedule.steps): name for shape, name in picks.items()}
+        {auto_key(device, shape, dtype, schedule, eps): name for shape, name in picks.items()}
     )
     report = NSBackendReport(picks, measured, len(shapes) - measured, time.perf_counter() - start)
     logger.info(
