@@ -7,6 +7,7 @@ static rendezvous (``NODE_RANK``, ``MASTER_ADDR``), once through
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -79,28 +80,62 @@ def _two_static_nodes(tmp_path: Path) -> list:
     return _wait(procs, logs, dumps)
 
 
-def _slurm_job(tmp_path: Path):
-    """``multinode_trainer.slurm`` as ``sbatch --nodes 2`` would start it, with slurm's
-    commands faked on this machine (``tests/fake_slurm``)."""
-    dump = tmp_path / "slurm"
+def _slurm_env(tmp_path: Path, dump: Path, **extra: str) -> dict[str, str]:
+    """The environment ``sbatch --nodes 2`` gives the script, submitted from ``tmp_path``
+    (outside the checkout), with slurm's commands faked on this machine
+    (``tests/fake_slurm``)."""
     env = train_env(2, dump)
+    env.pop("DMUON_ROOT", None)  # only what the test names
     env.update(
         PATH=f"{FAKE_SLURM}{os.pathsep}{env['PATH']}",
         SLURM_JOB_NODELIST="node[0-1]",
         SLURM_JOB_NUM_NODES="2",
         SLURM_JOB_ID="4242",
-        SLURM_SUBMIT_DIR=str(ROOT),
+        SLURM_SUBMIT_DIR=str(tmp_path),
+        SLURM_CPUS_ON_NODE="2",
         MASTER_PORT=str(free_port()),
         LOGLEVEL="INFO",  # torchrun's agents log the global ranks of their node
+        **extra,
     )
+    return env
+
+
+def _spooled_script(tmp_path: Path) -> Path:
+    """sbatch runs a copy of the script from its spool directory, not the checkout's."""
+    spool = tmp_path / "spool"
+    spool.mkdir(exist_ok=True)
+    script = spool / "slurm_script"
+    shutil.copy(ROOT / "multinode_trainer.slurm", script)
+    return script
+
+
+def _slurm_job(tmp_path: Path):
+    """``multinode_trainer.slurm`` as ``sbatch --nodes 2`` would start it from outside the
+    checkout, which ``DMUON_ROOT`` names."""
+    dump = tmp_path / "slurm"
+    env = _slurm_env(tmp_path, dump, DMUON_ROOT=str(ROOT))
     log = tmp_path / "slurm.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            ["./multinode_trainer.slurm", "--job.config_file", CONFIG,
+            [str(_spooled_script(tmp_path)), "--job.config_file", CONFIG,
              "--job.dump_folder", str(dump), *ARGS],
-            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True,
+            cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
     return _wait([proc], [log], [dump])[0]
+
+
+def test_slurm_script_outside_the_checkout_says_how_to_name_it(tmp_path):
+    """Submitted from another directory without DMUON_ROOT, the spooled script stops at
+    once naming the three ways to point it at the checkout (it ran ./scripts/setup.sh
+    from the submit directory: 'No such file or directory')."""
+    env = _slurm_env(tmp_path, tmp_path / "dump")
+    done = subprocess.run(
+        [str(_spooled_script(tmp_path))], cwd=tmp_path, env=env, capture_output=True,
+        text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert f"no torchtitan-dmuon checkout at {tmp_path}" in done.stderr
+    assert "sbatch --chdir" in done.stderr and "DMUON_ROOT=" in done.stderr
 
 
 @pytest.mark.slow
