@@ -413,6 +413,28 @@ def test_recompute_in_backward_records_nothing(monkeypatch):
 # ---- TorchTitan's models ----------------------------------------------------------------------
 
 
+def test_discard_records_drops_what_a_models_watchers_recorded():
+    """A forward that was not training (a pipeline stage's metadata inference on
+    uninitialized tensors) leaves nothing behind once discarded: only the watchers of that
+    model lose their records, and a removed QKClip is no longer one of them."""
+    from torchtitan_dmuon.optim.qk_clip import discard_records
+
+    model, other = heads_model(), heads_model()
+    clip, other_clip = QKClip(model, attentions(), THRESHOLD), QKClip(other, attentions(), 1.0)
+    inputs, _ = batch(100, 4)
+    model(inputs)
+    other(inputs)
+    cpu = torch.device("cpu")
+    assert clip.maxima(cpu).isfinite().all() and other_clip.maxima(cpu).isfinite().all()
+    discard_records(model)
+    assert torch.equal(clip.maxima(cpu), torch.full((LAYERS * QUERY_HEADS,), -math.inf))
+    assert other_clip.maxima(cpu).isfinite().all()
+    clip.remove()
+    model(inputs)  # no hook any more
+    discard_records(model)
+    assert torch.equal(clip.maxima(cpu), torch.full((LAYERS * QUERY_HEADS,), -math.inf))
+
+
 def _titan_model(name: str, flavor: str = "debugmodel"):
     import importlib
 

@@ -20,8 +20,8 @@ from tests.test_titan_expert_parallel import (
     STEPS,
     ep,
 )
-from tests.test_titan_integration import PLAIN, run_train, shared_run
-from tests.test_titan_pipeline import from_seed, resume_from
+from tests.test_titan_integration import PLAIN, SHORT, run_train, shared_run
+from tests.test_titan_pipeline import DP2, from_seed, pp, resume_from
 
 NORMUON = ["--dmuon.variant", "normuon"]
 # TorchTitan's debug models start with logits of about 0.6 (weights of std 0.02): every
@@ -41,7 +41,8 @@ def test_qk_clip_trains_llama3_eager_and_compiled_and_deepseek_mla(tmp_path_fact
     less than 3/4 of it: new batches and Muon's updates keep it above 0.3), heads clip at
     every step; step 1's loss is bitwise the plain run's (the clip follows the update),
     the later ones differ. Compiled per block it records the same maxima (to the logged
-    2 decimals) and clips the same heads at step 1, within 2 later. The deepseek_v3 debug
+    2 decimals) and clips the same heads at step 1, within 2 later; as pipeline stages
+    (PP 2 x DP 2) the logged figures are the whole model's. The deepseek_v3 debug
     MoE (MLA: q_nope, q_pe and k_nope rows rescaled) trains with QK-clip at 0.5, clipping
     heads."""
     plain = shared_run(PLAIN, 2, tmp_path_factory)
@@ -65,6 +66,19 @@ def test_qk_clip_trains_llama3_eager_and_compiled_and_deepseek_mla(tmp_path_fact
     assert compiled_metrics[0][1] == metrics[0][1]
     assert all(abs(a[1] - b[1]) <= 2 for a, b in zip(compiled_metrics, metrics, strict=True))
     assert [m for m, _ in compiled_metrics] == pytest.approx([m for m, _ in metrics], abs=0.011)
+
+    # Pipeline stages (PP 2 x DP 2, 3 layers each; the stages initialize their own layers,
+    # so the weights differ from the eager run's): the logged figures are the whole
+    # model's, all 96 heads at step 1 (the logging stage alone has 48, and counted the
+    # uninitialized tensors of its metadata forward: NaN and 24 heads).
+    staged = run_train(
+        [*SHORT[2:], *QK_CLIP, "--training.steps", "2", *pp(2, "1F1B", *DP2)],
+        4, tmp_path / "pp", "train_configs/debug_cpu.toml", log_rank=2,
+    )  # fmt: skip
+    assert staged.returncode == 0, staged.output[-4000:]
+    staged_metrics = _qk_metrics(staged.output)
+    assert len(staged_metrics) == 2 and staged_metrics[0][1] == 6 * 16, staged_metrics
+    assert 0.6 < staged_metrics[0][0] < 1.0 and staged_metrics[1][0] < 0.75 * staged_metrics[0][0]
 
     deepseek = run_train(
         ["--training.steps", "3", "--metrics.log_freq", "1", "--dmuon.qk_clip_threshold", "0.5"],

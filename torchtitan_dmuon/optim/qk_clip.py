@@ -34,6 +34,7 @@ optimizer reduces the maxima over its data-parallel ranks.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -48,6 +49,7 @@ __all__ = [
     "HeadRows",
     "QKClip",
     "clip_factors",
+    "discard_records",
     "head_max_logits",
     "scale_head_rows",
 ]
@@ -263,6 +265,8 @@ class QKClip:
             for rows in attention.weights:
                 if rows.name not in params:
                     raise ValueError(f"qk_clip: {rows.name} is not a parameter of the model")
+        _WATCHERS.setdefault(model, []).append(self)
+        self._model = weakref.ref(model)
         self._handles = [
             model.get_submodule(a.module).register_forward_pre_hook(
                 self._observer(a), with_kwargs=True
@@ -372,3 +376,18 @@ class QKClip:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        model = self._model()
+        if model is not None and self in _WATCHERS.get(model, ()):
+            _WATCHERS[model].remove(self)
+
+
+_WATCHERS: weakref.WeakKeyDictionary[nn.Module, list[QKClip]] = weakref.WeakKeyDictionary()
+"""The :class:`QKClip` objects watching each model (or pipeline stage)."""
+
+
+def discard_records(model: nn.Module) -> None:
+    """Drop what every :class:`QKClip` watching ``model`` recorded since its last step: for
+    a forward that was not training (a pipeline stage infers its tensors' metadata with one
+    forward on uninitialized inputs before its first step)."""
+    for clip in _WATCHERS.get(model, ()):
+        clip.reset()

@@ -29,6 +29,7 @@ from torch.distributed.pipelining.schedules import BACKWARD_WEIGHT
 
 from torchtitan_dmuon.engine import attach_pipeline_stage, dedicate_params, get_dedication
 from torchtitan_dmuon.engine.plan import default_boundary_modules
+from torchtitan_dmuon.optim.qk_clip import discard_records
 from torchtitan_dmuon.titan.config import MODEL_SELECTIONS, DMuon
 
 __all__ = [
@@ -290,6 +291,24 @@ def _check_split_backward(schedule, parallel_dims, job_config) -> None:
     )
 
 
+def _discard_metadata_forward(stage) -> None:
+    """Before its first step a torch 2.13 pipeline stage infers its tensors' metadata with
+    one forward on uninitialized inputs (``empty_strided``): QK-clip must not count the
+    logits of that forward (garbage, NaN among them), so its records are dropped after."""
+    infer = getattr(stage, "_forward_metadata_inference", None)
+    if infer is None:  # a torch that infers otherwise (e.g. on meta tensors)
+        return
+
+    @functools.wraps(infer)
+    def inferred(*args, **kwargs):
+        try:
+            return infer(*args, **kwargs)
+        finally:
+            discard_records(stage.submod)
+
+    stage._forward_metadata_inference = inferred
+
+
 def with_pipeline_stages(pipelining_fn: Callable) -> Callable:
     """Wrap a TorchTitan pipelining function so that, with DMuon, the ``[dmuon]`` patterns
     are checked on the whole model and each pipeline stage drives its part's dedication
@@ -304,6 +323,7 @@ def with_pipeline_stages(pipelining_fn: Callable) -> Callable:
 
         def build_pipeline_schedule(job_config_, stages, loss_fn):
             for stage in stages:
+                _discard_metadata_forward(stage)
                 if get_dedication(stage.submod) is not None:  # else AdamW alone
                     attach_pipeline_stage(stage)
             schedule = originals["build_pipeline_schedule"](job_config_, stages, loss_fn)

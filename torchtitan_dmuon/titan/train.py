@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 
 import torch
 import torch.distributed as dist
@@ -86,6 +87,10 @@ class DMuonTrainer(Trainer):
         self._last_bytes: dict[str, int] = {}
         self._last_step_seconds = 0.0
         self._last_step = 0
+        # QK-clip's logged figures cover every stage: a MAX and a SUM over the pipeline.
+        self._qk_pp_group = None
+        if job_config.dmuon.qk_clip_threshold > 0 and self.parallel_dims.pp_enabled:
+            self._qk_pp_group = self.parallel_dims.get_mesh("pp").get_group()
         log = self.metrics_processor.log
 
         def log_with_dmuon(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
@@ -176,9 +181,21 @@ class DMuonTrainer(Trainer):
             for o in self.optimizers.optimizers
             if o.qk_clip is not None and o.qk_clip.max_logit is not None
         ]
-        if clips:  # the last step's, over this rank's stages (and all their TP ranks' heads)
-            metrics["dmuon/qk_max_logit"] = max(c.max_logit.item() for c in clips)
-            metrics["dmuon/qk_clipped_heads"] = sum(int(c.clipped_heads) for c in clips)
+        if clips or self._qk_pp_group is not None:
+            # The last step's, over this rank's stages (and all their TP ranks' heads) and,
+            # under pipeline parallelism, over every stage (a rank whose stages hold no
+            # attention joins with nothing).
+            maximum = torch.tensor(
+                [max((c.max_logit.item() for c in clips), default=-math.inf)], device=self.device
+            )
+            clipped = torch.tensor(
+                [sum(int(c.clipped_heads) for c in clips)], dtype=torch.float64, device=self.device
+            )
+            if self._qk_pp_group is not None:
+                dist.all_reduce(maximum, op=dist.ReduceOp.MAX, group=self._qk_pp_group)
+                dist.all_reduce(clipped, op=dist.ReduceOp.SUM, group=self._qk_pp_group)
+            metrics["dmuon/qk_max_logit"] = maximum.item()
+            metrics["dmuon/qk_clipped_heads"] = int(clipped.item())
         self._last_bytes, self._last_step_seconds, self._last_step = totals, step_seconds, step
         return metrics
 
