@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -28,7 +27,7 @@ from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from torchtitan_dmuon.engine import get_dedication
 from torchtitan_dmuon.engine.owned import MuonStepError, OwnedMatrices
-from torchtitan_dmuon.engine.plan import select_matrices
+from torchtitan_dmuon.engine.plan import Predicate, select_matrices
 from torchtitan_dmuon.optim.config import AdamWConfig, MuonConfig
 from torchtitan_dmuon.optim.matrices import LocalMatrices, MatrixSet
 from torchtitan_dmuon.optim.muon import commit_group, compute_group
@@ -38,8 +37,6 @@ from torchtitan_dmuon.optim.qk_clip import QKClip
 __all__ = ["Muon", "MuonStepError"]
 
 logger = logging.getLogger(__name__)
-
-Predicate = Callable[[str, nn.Parameter], bool]
 
 _MUON_FIELDS = {f.name for f in dataclasses.fields(MuonConfig)}
 _ADAMW_FIELDS = {f.name for f in dataclasses.fields(AdamWConfig)}
