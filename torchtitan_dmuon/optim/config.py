@@ -92,8 +92,9 @@ def _check_types(config: object, where: str, prefix: str = "") -> None:
 
 
 def _check_range(where: str, value: float, low: float, high: float | None = None) -> None:
-    """``low <= value < high`` (``high`` None: no upper bound)."""
-    ok = isinstance(value, (int, float)) and value >= low and (high is None or value < high)
+    """``low <= value < high`` (``high`` None: no upper bound); ``value``'s type was
+    checked (``_check_types``) before."""
+    ok = value >= low and (high is None or value < high)
     if not ok:
         bound = f"[{low}, {high})" if high is not None else f">= {low}"
         raise ValueError(f"{where} must be {bound}, got {value!r}")
