@@ -27,6 +27,12 @@ NORMUON = ["--dmuon.variant", "normuon"]
 # TorchTitan's debug models start with logits of about 0.6 (weights of std 0.02): every
 # head clips at step 1.
 QK_CLIP = ["--dmuon.qk_clip_threshold", "0.3"]
+# TorchTitan's per-op selective AC, and each rank's 4 samples as 2 microbatches of 2 (the
+# same samples per step as one batch of 4, so the same maxima).
+COMPILED_AC_ACCUMULATION = [
+    "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option",
+    "op", "--training.local_batch_size", "2", "--training.global_batch_size", "8",
+]  # fmt: skip
 QK_LINE = re.compile(r"qk max logit (\S+) clipped heads (\d+)")
 
 
@@ -40,15 +46,18 @@ def test_qk_clip_trains_llama3_eager_and_compiled_and_deepseek_mla(tmp_path_fact
     1 (largest logit 0.64) and the logged maximum falls toward the threshold at step 2 (to
     less than 3/4 of it: new batches and Muon's updates keep it above 0.3), heads clip at
     every step; step 1's loss is bitwise the plain run's (the clip follows the update),
-    the later ones differ. Compiled per block it records the same maxima (to the logged
-    2 decimals) and clips the same heads at step 1, within 2 later; as pipeline stages
+    the later ones differ. Compiled per block (6 blocks) with per-op selective AC and 2
+    microbatches per step (12 block forwards a step, past Dynamo's 8 recompiles had each
+    layer or microbatch needed its own graph) it records the same maxima (to the logged 2
+    decimals) and clips the same heads at step 1, within 2 later; as pipeline stages
     (PP 2 x DP 2) the logged figures are the whole model's. The deepseek_v3 debug
     MoE (MLA: q_nope, q_pe and k_nope rows rescaled) trains with QK-clip at 0.5, clipping
     heads."""
     plain = shared_run(PLAIN, 2, tmp_path_factory)
     eager = run_train([*PLAIN, *QK_CLIP], 2, tmp_path / "eager", "train_configs/debug_cpu.toml")
     compiled = run_train(
-        [*PLAIN, *QK_CLIP, "--compile.enable", "--compile.components", "model"],
+        [*PLAIN, *QK_CLIP, "--compile.enable", "--compile.components", "model",
+         *COMPILED_AC_ACCUMULATION],
         2, tmp_path / "compiled", "train_configs/debug_cpu.toml",
     )  # fmt: skip
     for run in (plain, eager, compiled):

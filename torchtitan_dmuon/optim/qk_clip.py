@@ -23,12 +23,14 @@ is a :class:`HeadRows`.
 watched attention module records, per query head, the largest pre-softmax logit of this
 rank's batch from the query and key that module receives (:func:`head_max_logits`), under
 no_grad and skipped during activation-checkpointing recomputes, which see the same values.
-``Muon.step`` MAX-reduces the maxima over the data-parallel ranks (one collective, started
-before Newton-Schulz and waited after it) and the owner of each query and key projection
-rescales its heads' rows after the update, in the master dtype, before the new values are
-broadcast. Maxima can also be handed in with :meth:`QKClip.record` (a fused attention
-kernel that computes them). This module does not import ``torch.distributed``: the
-optimizer reduces the maxima over its data-parallel ranks.
+It raises a per-layer tensor in place, so TorchTitan's per-block ``torch.compile``
+(fullgraph, with or without activation checkpointing) traces it into one graph that serves
+every block and microbatch. ``Muon.step`` MAX-reduces the maxima over the data-parallel
+ranks (one collective, started before Newton-Schulz and waited after it) and the owner of
+each query and key projection rescales its heads' rows after the update, in the master
+dtype, before the new values are broadcast. Maxima can also be handed in with
+:meth:`QKClip.record` (a fused attention kernel that computes them). This module does not
+import ``torch.distributed``: the optimizer reduces the maxima over its data-parallel ranks.
 """
 
 from __future__ import annotations
@@ -225,8 +227,9 @@ class QKClip:
     """The per-head maxima of a model's attention logits, and the clip's settings.
 
     Args:
-        model: The model (or pipeline stage) whose attention layers are watched; the
-            weights named in ``attentions`` must be its Muon matrices.
+        model: The model (or pipeline stage) whose attention layers are watched, on the
+            device it trains on (the maxima are kept there); the weights named in
+            ``attentions`` must be its Muon matrices.
         attentions: The layers to watch and clip.
         threshold: ``tau``: heads whose largest logit exceeds it are rescaled.
         alpha: The query's share of the rescaling, in ``[0, 1]`` (Kimi K2: 0.5).
@@ -254,22 +257,30 @@ class QKClip:
             raise ValueError("qk_clip: no attention layer to watch")
         self.threshold = float(threshold)
         self.alpha = float(alpha)
-        self.chunk_elements = chunk_elements
         self.attentions = list(attentions)
         self._by_module = {a.module: a for a in self.attentions}
         self.max_logit: torch.Tensor | None = None
         self.clipped_heads: torch.Tensor | None = None
-        self._maxima: dict[str, torch.Tensor] = {}
         params = dict(model.named_parameters())
         for attention in self.attentions:
             for rows in attention.weights:
                 if rows.name not in params:
                     raise ValueError(f"qk_clip: {rows.name} is not a parameter of the model")
+        # One running maximum per layer, written in place on the device of the layer's
+        # weights: the hooks then differ between layers only in which tensor they write,
+        # which torch.compile takes as a graph input, so one compiled block serves every
+        # layer and microbatch (a per-layer name or a dict it writes would be guarded on).
+        self._recorded = {
+            a.module: torch.full(
+                (a.query_heads,), -math.inf, device=params[a.weights[0].name].device
+            )
+            for a in self.attentions
+        }
         _WATCHERS.setdefault(model, []).append(self)
         self._model = weakref.ref(model)
         self._handles = [
             model.get_submodule(a.module).register_forward_pre_hook(
-                self._observer(a), with_kwargs=True
+                _observer(self._recorded[a.module], chunk_elements), with_kwargs=True
             )
             for a in self.attentions
         ]
@@ -291,28 +302,6 @@ class QKClip:
             for rows in attention.weights:
                 rows.heads(local_rows[rows.name], attention.query_heads)
 
-    def _observer(self, attention: ClippedAttention):
-        def observe(module, args, kwargs) -> None:
-            # Eval passes run without grad; recomputes in backward see the forward's values
-            # (a compiled block recomputes inside its compiled backward, without the hook).
-            if not torch.is_grad_enabled():
-                return
-            if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
-                return
-            query, key = args[0], args[1]
-            block_mask = kwargs.get("block_mask")
-            maxima = head_max_logits(
-                query,
-                key,
-                scale=kwargs.get("scale"),
-                causal=kwargs.get("is_causal", True),
-                mask_mod=block_mask.mask_mod if block_mask is not None else None,
-                chunk_elements=self.chunk_elements,
-            )
-            self.record(attention.module, maxima)
-
-        return observe
-
     def record(self, module: str, max_logits: torch.Tensor) -> None:
         """Take per-head maxima of one layer's logits for the coming step (the largest
         of all recorded since the last step counts).
@@ -328,28 +317,19 @@ class QKClip:
                 f"qk_clip: {module} received {tuple(max_logits.shape)} per-head maxima; "
                 f"it has {attention.query_heads} query heads on this rank"
             )
-        max_logits = max_logits.detach().float()
-        previous = self._maxima.get(module)
-        self._maxima[module] = (
-            max_logits if previous is None else torch.maximum(previous, max_logits)
-        )
+        recorded = self._recorded[module]
+        torch.maximum(recorded, max_logits.detach().to(recorded), out=recorded)
 
     def maxima(self, device: torch.device) -> torch.Tensor:
         """Every watched layer's maxima since the last step, in order, as one flat fp32
         tensor (``-inf`` for a layer that recorded nothing): what the data-parallel ranks
         MAX-reduce, the same size on every rank."""
-        return torch.cat(
-            [
-                self._maxima[a.module].to(device)
-                if a.module in self._maxima
-                else torch.full((a.query_heads,), -math.inf, device=device)
-                for a in self.attentions
-            ]
-        )
+        return torch.cat([self._recorded[a.module].to(device) for a in self.attentions])
 
     def reset(self) -> None:
         """Drop the maxima recorded since the last step."""
-        self._maxima.clear()
+        for recorded in self._recorded.values():
+            recorded.fill_(-math.inf)
 
     def clip(self, reduced: torch.Tensor, masters: dict[str, torch.Tensor]) -> None:
         """Rescale the heads of ``masters`` (the weights this rank writes, by name) whose
@@ -379,6 +359,31 @@ class QKClip:
         model = self._model()
         if model is not None and self in _WATCHERS.get(model, ()):
             _WATCHERS[model].remove(self)
+
+
+def _observer(recorded: torch.Tensor, chunk_elements: int):
+    """The forward pre-hook that raises ``recorded`` to the per-head maxima of the
+    ``(query, key)`` its attention module receives."""
+
+    def observe(module, args, kwargs) -> None:
+        # Eval passes run without grad; recomputes in backward see the forward's values
+        # (a compiled block recomputes inside its compiled backward, without the hook).
+        if not torch.is_grad_enabled():
+            return
+        if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
+            return
+        block_mask = kwargs.get("block_mask")
+        maxima = head_max_logits(
+            args[0],
+            args[1],
+            scale=kwargs.get("scale"),
+            causal=kwargs.get("is_causal", True),
+            mask_mod=block_mask.mask_mod if block_mask is not None else None,
+            chunk_elements=chunk_elements,
+        )
+        torch.maximum(recorded, maxima, out=recorded)
+
+    return observe
 
 
 _WATCHERS: weakref.WeakKeyDictionary[nn.Module, list[QKClip]] = weakref.WeakKeyDictionary()
