@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 from tests.test_titan_expert_parallel import (
     AFTER_SAVE,
@@ -133,3 +134,41 @@ def test_normuon_trains_under_expert_tensor_parallelism_and_checkpoints_cross(
     expected = [etp.losses[s] for s in AFTER_SAVE]
     assert [fsdp.losses[s] for s in AFTER_SAVE] == pytest.approx(expected, rel=1e-4)
     assert [same.losses[s] for s in AFTER_SAVE] == expected
+
+
+@pytest.mark.slow
+def test_normuon_switched_on_at_a_resume_starts_its_second_moments_at_zero(
+    tmp_path_factory, tmp_path
+):
+    """Resuming the plain Muon run's step-3 checkpoint (2 ranks, FSDP Z3) with
+    ``--dmuon.variant normuon``: the checkpoint has Muon's momentum but no second moments;
+    they start at zero, saying so once, and the run goes on: step 4's loss is the Muon
+    run's bitwise (same weights and data), steps 5 and 6 differ (NorMuon's updates), and
+    its step-6 checkpoint holds every matrix's second moment, positive (two NorMuon steps
+    from zero)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    plain = shared_run(PLAIN, 2, tmp_path_factory)
+    assert plain.returncode == 0, plain.output[-4000:]
+    resumed = run_train(
+        [*SHORT, *NORMUON, "--checkpoint.enable", "--checkpoint.interval", "3",
+         "--checkpoint.initial_load_path", str(plain.dump / "checkpoint" / "step-3"),
+         "--checkpoint.no-initial_load_model_only"],
+        2, tmp_path / "normuon", "train_configs/debug_cpu.toml",
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.output[-4000:]
+    matrices = 6 * 7  # the debug llama3's attention and feed-forward matrices
+    assert (
+        f"NorMuon: the checkpoint holds no second moments for the {matrices} Muon matrices "
+        "(it was written without NorMuon); they start at zero"
+    ) in resumed.output
+    assert sorted(resumed.losses) == [4, 5, 6]
+    assert resumed.losses[4] == plain.losses[4]
+    assert all(abs(resumed.losses[s] - plain.losses[s]) > 1e-5 for s in (5, 6))
+
+    dcp_to_torch_save(resumed.dump / "checkpoint" / "step-6", tmp_path / "step-6.pt")
+    saved = torch.load(tmp_path / "step-6.pt", weights_only=False)
+    moments = {k: v for k, v in saved["optimizer"].items() if k.endswith(".second_moment")}
+    assert len(moments) == matrices
+    for name, moment in moments.items():
+        assert moment.shape[-1] == 1 and bool((moment > 0).all()), name

@@ -1,7 +1,8 @@
 """Model and LR-scheduler state for TorchTitan's CheckpointManager.
 
 :class:`DMuonModelWrapper` saves the dedicated matrices once; :class:`LRSchedulersWrapper`
-lets a run resume from a checkpoint of the other optimizer (AdamW <-> DMuon).
+lets a run resume from a checkpoint of the other optimizer (AdamW <-> DMuon);
+:func:`optimizer_state_to_load` lets NorMuon resume a checkpoint written without it.
 
 TorchTitan's ``ModelWrapper`` caches ``get_model_state_dict`` once, at construction. With
 DMuon that would hold stale tensors (the engine re-binds parameters into flat buffers at
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -32,11 +34,12 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
-from torchtitan.components.checkpoint import ModelWrapper
+from torchtitan.components.checkpoint import OPTIMIZER, ModelWrapper
 from torchtitan.components.lr_scheduler import LRSchedulersContainer
 
 from torchtitan_dmuon.engine import Dedication, get_dedication
 from torchtitan_dmuon.engine.plan import DedicatedParam
+from torchtitan_dmuon.optim.muon import SECOND_MOMENT
 from torchtitan_dmuon.optim.normuon import second_moment_shape
 from torchtitan_dmuon.titan.parallelize import clean_fqn
 
@@ -48,6 +51,7 @@ __all__ = [
     "as_saved",
     "load_into",
     "load_state_into",
+    "optimizer_state_to_load",
 ]
 
 
@@ -196,3 +200,48 @@ class LRSchedulersWrapper(Stateful):
         for each in self.lr_schedulers:
             for group, lr in zip(each.optimizer.param_groups, each.get_last_lr(), strict=True):
                 group["lr"] = lr
+
+
+class _WithoutKeys(Stateful):
+    """``optimizers`` with ``absent`` left out of what DCP loads: those entries keep the
+    values the optimizers start them at."""
+
+    def __init__(self, optimizers: Stateful, absent: set[str]) -> None:
+        self.optimizers = optimizers
+        self.absent = absent
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in self.optimizers.state_dict().items() if k not in self.absent}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizers.load_state_dict(state_dict)
+
+
+def optimizer_state_to_load(optimizers: Stateful, checkpoint_id: str) -> Stateful:
+    """What DCP loads the optimizers' state into from the checkpoint at ``checkpoint_id``.
+
+    NorMuon switched on at a resume: the checkpoint, written by DMuon without NorMuon,
+    holds each matrix's momentum but no second moment, which DCP would report as a missing
+    key. The second moments and ``normuon_beta2`` are then left out of the load: they
+    start where a fresh NorMuon starts them, at zero (logged), and the run's beta2 holds.
+    Any other missing entry, or a checkpoint with some second moments and not others,
+    still fails in DCP, naming the key.
+    """
+    normuon = {
+        key
+        for key in optimizers.state_dict()
+        if key.endswith(f".{SECOND_MOMENT}") or key == "param_groups.muon.normuon_beta2"
+    }
+    if not normuon:
+        return optimizers
+    saved = FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
+    prefix = f"{OPTIMIZER}.state."
+    if any(key.startswith(prefix) and key.endswith(f".{SECOND_MOMENT}") for key in saved):
+        return optimizers
+    matrices = sum(key.startswith(prefix) and key.endswith(".momentum_buffer") for key in saved)
+    logger.info(
+        "NorMuon: the checkpoint holds no second moments for the %d Muon matrices (it was "
+        "written without NorMuon); they start at zero",
+        matrices,
+    )
+    return _WithoutKeys(optimizers, normuon)

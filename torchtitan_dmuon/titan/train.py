@@ -17,7 +17,8 @@
   topology-independent checkpoints of the dedicated matrices, and DMuon's figures (NS
   time, bytes reduced and broadcast, owner balance) in the metrics line and TensorBoard;
 * LR-scheduler state that loads across AdamW and DMuon checkpoints (their optimizers
-  have different numbers of param groups);
+  have different numbers of param groups); NorMuon resuming a checkpoint written without
+  it (its second moments start at zero);
 * the ranks leave training together (a barrier after a completed run).
 """
 
@@ -30,12 +31,16 @@ import math
 import torch
 import torch.distributed as dist
 import torchtitan.distributed.utils as dist_utils
-from torchtitan.components.checkpoint import LR_SCHEDULER, MODEL
+from torchtitan.components.checkpoint import LR_SCHEDULER, MODEL, OPTIMIZER
 from torchtitan.train import Trainer, main
 
 from torchtitan_dmuon.engine import get_dedication
 from torchtitan_dmuon.titan import register
-from torchtitan_dmuon.titan.checkpoint import DMuonModelWrapper, LRSchedulersWrapper
+from torchtitan_dmuon.titan.checkpoint import (
+    DMuonModelWrapper,
+    LRSchedulersWrapper,
+    optimizer_state_to_load,
+)
 from torchtitan_dmuon.titan.cpu import enable_cpu_support
 from torchtitan_dmuon.titan.parallelize import DMUON
 from torchtitan_dmuon.titan.patches import PatchRegistry
@@ -80,6 +85,17 @@ class DMuonTrainer(Trainer):
         # None for a part with one data-parallel rank (plain Muon + AdamW).
         self.dedications = [d for d in map(get_dedication, self.model_parts) if d is not None]
         self.checkpointer.states[MODEL] = DMuonModelWrapper(self.model_parts)
+        dcp_load = self.checkpointer.dcp_load
+
+        def dcp_load_normuon_from_muon(state_dict, checkpoint_id, from_hf, from_quantized):
+            if OPTIMIZER in state_dict and not from_hf:
+                state_dict = dict(state_dict)
+                state_dict[OPTIMIZER] = optimizer_state_to_load(
+                    state_dict[OPTIMIZER], checkpoint_id
+                )
+            dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
+
+        self.patches.setattr(self.checkpointer, "dcp_load", dcp_load_normuon_from_muon)
         # The train step clips through this module attribute; TorchTitan's own cannot see
         # gradients held by owners and fails on a mix of DTensor and plain gradients.
         self.patches.setattr(dist_utils, "clip_grad_norm_", self._clip_grad_norm)
