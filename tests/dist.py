@@ -3,7 +3,9 @@
 ``run_distributed(fn, world_size, *args)`` starts ``world_size`` processes that each init a
 gloo group over a file store, run ``fn(rank, world_size, *args)`` and send back its return
 value. A rank that raises fails the test with its traceback; a run that does not finish
-in ``timeout`` seconds (a hang) is killed and fails the test.
+in ``timeout`` seconds (a hang) is killed and fails the test. ``pg_timeout`` sets the
+group's own timeout (``init_process_group(timeout=...)``); ``leave_together=False`` skips
+the barrier and teardown after ``fn``, for a test that leaves the group broken.
 
 The ranks are forked from multiprocessing's forkserver, which imports torch, the engine
 and the test workers once per session: a spawned rank imports them again, ~6 CPU-seconds
@@ -21,6 +23,7 @@ import signal
 import tempfile
 import time
 import traceback
+from datetime import timedelta
 
 import torch
 
@@ -29,7 +32,7 @@ _CONTEXT = mp.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "tests.workers"])
 
 
-def _worker(fn, rank, world_size, store_path, result_path, env, args):
+def _worker(fn, rank, world_size, store_path, result_path, env, args, pg_timeout, leave_together):
     import torch.distributed as dist
 
     # The test's environment now, as a spawned rank would get it, not the forkserver's
@@ -42,14 +45,18 @@ def _worker(fn, rank, world_size, store_path, result_path, env, args):
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     torch.set_num_threads(1)
     try:
+        timeout = {} if pg_timeout is None else {"timeout": timedelta(seconds=pg_timeout)}
         dist.init_process_group(
-            "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size
+            "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size, **timeout
         )
         result = fn(rank, world_size, *args)
         torch.save({"ok": True, "result": result}, result_path)
     except BaseException:  # noqa: BLE001 - report anything to the parent
         torch.save({"ok": False, "error": traceback.format_exc()}, result_path)
         os._exit(1)
+    if not leave_together:
+        stacks.flush()
+        os._exit(0)
     gc.collect()
     dist.barrier()
     dist.destroy_process_group()
@@ -68,7 +75,14 @@ def _dump_stacks(procs, paths) -> str:
     return "\n".join(dumps)
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT) -> list:
+def run_distributed(
+    fn,
+    world_size: int,
+    *args,
+    timeout: float = DEFAULT_TIMEOUT,
+    pg_timeout: float | None = None,
+    leave_together: bool = True,
+) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the results
     by rank."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -76,7 +90,10 @@ def run_distributed(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT
         paths = [os.path.join(tmp, f"rank{r}.pt") for r in range(world_size)]
         env = dict(os.environ)
         procs = [
-            _CONTEXT.Process(target=_worker, args=(fn, r, world_size, store, paths[r], env, args))
+            _CONTEXT.Process(
+                target=_worker,
+                args=(fn, r, world_size, store, paths[r], env, args, pg_timeout, leave_together),
+            )
             for r in range(world_size)
         ]
         for p in procs:

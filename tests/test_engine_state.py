@@ -2,6 +2,7 @@
 default mixed precision, swapped parameters, partial fully_shard, embeddings given to Muon."""
 
 import logging
+import re
 
 import pytest
 import torch
@@ -129,3 +130,74 @@ def test_embedding_and_head_given_to_muon_are_named_in_a_warning(caplog):
     with caplog.at_level(logging.WARNING, logger="torchtitan_dmuon"):
         Muon(make_model(), predicate=proj_predicate)
     assert not caplog.records
+
+
+def _one_rank_raises_in_backward(rank, world, fsdp):
+    """One good step, then a backward that raises in the first block on rank 1 only,
+    caught as a loop skipping a bad batch would (``zero_grad``, go on). Returns what each
+    rank saw: the errors of that backward, of its ``zero_grad`` and of the next forward."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from tests.models import loss_fn
+    from tests.workers import data_for
+    from torchtitan_dmuon import dedicate_params
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = make_model(seed=0)
+    dedicate_params(model, mesh, proj_predicate)
+    if fsdp:
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    optimizer = Muon(model, lr=0.02, ns_dtype=torch.float32)
+
+    def fail(grad):
+        raise RuntimeError("injected backward failure")
+
+    def raise_in_backward(module, args, output):
+        output.register_hook(fail)
+
+    seen = {}
+    for step, call in enumerate(("step", "backward", "zero_grad", "forward")):
+        inputs, targets = data_for(step, rank, world, same_data=False)
+        if step == 1 and rank == 1:
+            model.layers[0].register_forward_hook(raise_in_backward)
+        try:
+            if call == "zero_grad":
+                optimizer.zero_grad()
+            loss_fn(model, inputs, targets).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        except RuntimeError as error:
+            seen[step] = (call, type(error).__name__, str(error))
+    return seen
+
+
+@pytest.mark.parametrize("fsdp", [True, False], ids=["fsdp", "ddp_style"])
+def test_one_rank_raising_in_backward_raises_on_every_rank(fsdp):
+    """One rank's backward raises (rank 1, in its first block; a loop catches it, calls
+    zero_grad and goes on): rank 1's zero_grad finds its peer never reports a failed
+    pass and raises PassDivergedError within the process group's timeout (here 5 s,
+    ``init_process_group(timeout=...)``); rank 0, waiting in the reduce rank 1 never
+    joins, raises too (FSDP2's reduce-scatter's timeout, or DDP-style the engine's reduce
+    as PassDivergedError: its group inherits that timeout, it waited gloo's default 30
+    minutes before); every later forward raises PassDivergedError at once. No hang, no
+    collective matched with another."""
+    seen = run_distributed(
+        _one_rank_raises_in_backward, 2, fsdp, timeout=90, pg_timeout=5, leave_together=False
+    )
+    divergence = "PassDivergedError"
+    assert 0 not in seen[0] and 0 not in seen[1]  # the first step trained
+    assert seen[1][1][2] == "injected backward failure"
+    assert seen[1][2][:2] == ("zero_grad", divergence), seen[1]
+    if fsdp:  # FSDP2's reduce-scatter times out first
+        assert re.search("Timed out|timeout", seen[0][1][2]), seen[0]
+    else:
+        assert seen[0][1][1] == divergence
+        assert "a gradient reduce of this backward did not complete" in seen[0][1][2]
+        # rank 0 never joined rank 1's agreement
+        assert "some data-parallel peer did not report a failed pass" in seen[1][2][2]
+    for rank in seen:
+        assert rank[3][:2] == ("forward", divergence), rank
+        assert "end the job and resume from the last checkpoint" in rank[3][2]

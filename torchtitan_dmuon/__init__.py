@@ -13,6 +13,7 @@ matrix set; no TorchTitan), ``optimizer`` (the thin ``Muon`` class over both), `
 """
 
 from torchtitan_dmuon.engine import (
+    PassDivergedError,
     attach_pipeline_stage,
     clip_grad_norm_,
     dedicate_params,
@@ -34,6 +35,7 @@ __all__ = [
     "Muon",
     "MuonConfig",
     "MuonStepError",
+    "PassDivergedError",
     "QKClip",
     "attach_pipeline_stage",
     "clip_grad_norm_",

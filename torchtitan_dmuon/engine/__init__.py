@@ -38,11 +38,13 @@ from torchtitan_dmuon.engine.api import (
 )
 from torchtitan_dmuon.engine.dedication import Dedication, DedicationSettings, get_dedication
 from torchtitan_dmuon.engine.grad_norm import clip_grad_norm_
+from torchtitan_dmuon.engine.hooks import PassDivergedError
 from torchtitan_dmuon.engine.verification import verify_plan
 
 __all__ = [
     "Dedication",
     "DedicationSettings",
+    "PassDivergedError",
     "attach_pipeline_stage",
     "clip_grad_norm_",
     "dedicate_params",

@@ -131,6 +131,10 @@ def reset_iter_state(model: nn.Module) -> None:
     Rarely needed: ``Muon.zero_grad()`` (and the next root forward, for the engine's own
     state) does it after a failed pass. For a loop that clears gradients another way,
     call it on every rank after catching the exception.
+
+    Raises:
+        PassDivergedError: The pass did not raise on every data-parallel rank at the same
+            point (raised within the process group's timeout, on every rank involved).
     """
     dedication = get_dedication(model)
     if dedication is not None:

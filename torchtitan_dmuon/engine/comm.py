@@ -64,13 +64,26 @@ def engine_group(group: dist.ProcessGroup, description: str) -> dist.ProcessGrou
 
     Only the members call this (local synchronization). Every rank creates its groups in
     the same order (shard, reduce, replicate), so the overlapping creations cannot
-    deadlock.
+    deadlock. The new group times out as ``group`` does (``new_group`` would take the
+    backend's default, 30 minutes on gloo): a rank that never joins a reduce then ends
+    its peers' wait when the user's own groups would.
     """
     return dist.new_group(
         dist.get_process_group_ranks(group),
+        timeout=_timeout(group),
         use_local_synchronization=True,
         group_desc=description,
     )
+
+
+def _timeout(group: dist.ProcessGroup):
+    """``group``'s collective timeout, or None (the backend's default) where its backend
+    does not say."""
+    for device in group._device_types:
+        options = getattr(group._get_backend(device), "options", None)
+        if getattr(options, "_timeout", None) is not None:
+            return options._timeout
+    return None
 
 
 def broadcast(

@@ -368,6 +368,7 @@ class Dedication:
         fsdp.reset_fsdp_state(self.model)
 
     def before_step(self) -> None:
+        self.driver.raise_if_diverged()
         if not self.initialized or self.synced_backwards == 0:
             if self.pipeline_stage is not None:
                 raise RuntimeError(

@@ -110,6 +110,13 @@ class Exchange:
         if tp_mesh is not None:
             self.tp_group = comm.engine_group(tp_mesh.get_group(), "dmuon_tp")
             self.tensor_parallel = TensorParallelNS(self.tp_group, stats)
+        # Idle but for the ranks of a failed pass, which meet here while their peers may
+        # still wait in that pass's gathers and reduces (see agree_on_failed_pass).
+        self.recovery_groups = [comm.engine_group(mesh.get_group(), "dmuon_recovery")]
+        if replicate_mesh is not None:
+            self.recovery_groups.append(
+                comm.engine_group(replicate_mesh.get_group(), "dmuon_replicate_recovery")
+            )
 
     @property
     def shard_group(self) -> dist.ProcessGroup:
@@ -125,13 +132,14 @@ class Exchange:
 
     def process_groups(self) -> list[dist.ProcessGroup]:
         """Every group of its own: shard, reduce (the same ranks), replicate, the experts'
-        shard and reduce groups and the tensor-parallel group."""
+        shard and reduce groups, the tensor-parallel group and the recovery groups."""
         groups = [self.domains[0].shard_group, self.domains[0].reduce_group]
         groups += [self.replicas.group] if self.replicas is not None else []
         groups += [
             g for domain in self.domains[1:] for g in (domain.shard_group, domain.reduce_group)
         ]
-        return groups + ([self.tp_group] if self.tp_group is not None else [])
+        groups += [self.tp_group] if self.tp_group is not None else []
+        return groups + self.recovery_groups
 
     def data_parallel_groups(self) -> list[dist.ProcessGroup]:
         """Groups whose successive SUM all-reduces sum over every data-parallel rank: the
@@ -195,6 +203,24 @@ class Exchange:
             pending.wait()
             if pending.unit.primary:
                 pending.unit.accumulate_grads(pending.bucket, divide_factor)
+
+    def agree_on_failed_pass(self, reduces_issued: int) -> tuple[int, int] | None:
+        """Called by a rank whose last pass raised half-way, before it waits on anything
+        that pass issued: MAX-reduce ``(reduces_issued, -reduces_issued)`` over the
+        recovery groups (every data-parallel rank of the dedication, as the shard, then
+        the replicate group).
+
+        Returns the fewest and the most reduces any rank issued, or None when some rank
+        did not join within the groups' timeout: its pass did not fail (it waits in a
+        collective this rank never issues) or it died.
+        """
+        counts = torch.tensor([reduces_issued, -reduces_issued], dtype=torch.int64)
+        try:
+            for group in self.recovery_groups:
+                dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=group)
+        except RuntimeError:  # gloo: timed out or the peer closed; NCCL: timed out
+            return None
+        return -int(counts[1]), int(counts[0])
 
     def discard_reduces(self, reduces: list[PendingReduce]) -> None:
         """A failed pass's reduces: let them land (their buffers are in use until then)

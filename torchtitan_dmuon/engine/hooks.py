@@ -23,8 +23,13 @@ same pass never share a process group: gathers use the shard group, reduces the 
 group, and neither is FSDP2's.
 
 A pass that raises (an out-of-memory error, a bad op) leaves its state behind; the next
-root pre-forward finds the driver not idle, waits for what the failed pass issued, drops
-its partial gradients and starts clean, as FSDP2 resets its per-pass state there. What
+root pre-forward (or ``zero_grad``) finds the driver not idle, waits for what the failed
+pass issued, drops its partial gradients and starts clean, as FSDP2 resets its per-pass
+state there. That is sound only if every data-parallel rank's pass raised at the same
+point, so first the failed ranks agree on it over groups of their own; a peer whose pass
+did not raise never joins and waits in that pass's collectives instead. Both sides then
+raise :class:`PassDivergedError` within the groups' timeout, never a hang or a collective
+matched with the wrong one. What
 the hooks drive is a :class:`DrivenDedication` (the runtime in ``dedication.py``, above
 this file).
 """
@@ -50,6 +55,7 @@ __all__ = [
     "CollectiveSequence",
     "DrivenDedication",
     "HookDriver",
+    "PassDivergedError",
     "PassSettings",
     "TrainingState",
     "register_pre_backward",
@@ -69,6 +75,15 @@ class TrainingState(Enum):
     """A forward with grad finished; its backward may or may not come."""
     BACKWARD = auto()
     """Inside backward (a pre-forward now is an activation-checkpoint recompute)."""
+    DIVERGED = auto()
+    """A pass failed on some ranks and not on the others: every later pass or step raises
+    :class:`PassDivergedError`."""
+
+
+class PassDivergedError(RuntimeError):
+    """A forward or backward pass failed on some data-parallel ranks and not on the
+    others, or at different points: their collectives no longer line up, so no rank can
+    go on. End the job and resume from the last checkpoint."""
 
 
 class CollectiveSequence:
@@ -139,6 +154,7 @@ class HookDriver:
         forward_order = list(range(len(boundaries)))
         backward_order = forward_order[::-1]
         self.state = TrainingState.IDLE
+        self._diverged = ""  # why, once DIVERGED
         self._gathers: dict[int, list[dist.Work]] = {}
         # Boundaries whose values are here and current: a gather of one sends nothing
         # (Z3 keeps the last after forward; a pipeline stage keeps all of them between its
@@ -341,8 +357,15 @@ class HookDriver:
         if self.d.requires_gradient_sync:
             self.reduce_sequence.finish()
             reduces, self._reduces = self._reduces, []
-            with record_function("dmuon::finish_reduces"):
-                self.d.finish_reduces(reduces)
+            try:
+                with record_function("dmuon::finish_reduces"):
+                    self.d.finish_reduces(reduces)
+            except RuntimeError as error:
+                raise self._diverge(
+                    "a gradient reduce of this backward did not complete: a data-parallel "
+                    "peer did not join it within the process group's timeout (its pass "
+                    "raised, or it died)"
+                ) from error
         if self.d.reshard_after_backward:
             self.free_all()
         self.state = TrainingState.IDLE
@@ -369,11 +392,31 @@ class HookDriver:
         return self.state in (TrainingState.FORWARD, TrainingState.BACKWARD)
 
     def reset_iter_state(self) -> None:
-        """If the last pass raised half-way (the state is not idle): wait for the
-        collectives it issued (every rank issued the same ones up to the same point),
-        drop its partial reduces and free what it gathered."""
+        """If the last pass raised half-way (the state is not idle): agree with the other
+        data-parallel ranks that theirs raised at the same point, then wait for the
+        collectives it issued, drop its partial reduces and free what it gathered.
+
+        Raises:
+            PassDivergedError: Some peer's pass did not raise (it waits in a collective
+                of that pass until the group's timeout, then raises this too), or raised
+                at another point; or an earlier pass diverged.
+        """
+        self.raise_if_diverged()
         if not self.pass_unfinished():
             return
+        failed = self.state.name.lower()
+        agreed = self.exchange.agree_on_failed_pass(len(self._reduces))
+        if agreed is None:
+            raise self._diverge(
+                f"the last {failed} pass raised on this rank, and some data-parallel peer "
+                "did not report a failed pass within the process group's timeout (it waits "
+                "in a collective of that pass, or died)"
+            )
+        if agreed[0] != agreed[1]:
+            raise self._diverge(
+                f"the last {failed} pass raised on every data-parallel rank, but after "
+                f"different numbers of gradient reduces ({agreed[0]} to {agreed[1]})"
+            )
         logger.warning(
             "dmuon: the previous %s pass did not finish; discarding its state (its "
             "dedicated gradients are dropped)",
@@ -385,3 +428,16 @@ class HookDriver:
         self.exchange.discard_reduces(reduces)
         self.free_all()
         self.state = TrainingState.IDLE
+
+    def raise_if_diverged(self) -> None:
+        """Raise :class:`PassDivergedError` if a pass diverged between the ranks."""
+        if self.state is TrainingState.DIVERGED:
+            raise PassDivergedError(self._diverged)
+
+    def _diverge(self, reason: str) -> PassDivergedError:
+        self.state = TrainingState.DIVERGED
+        self._diverged = (
+            f"dmuon: {reason}. The ranks' collectives no longer line up and cannot be "
+            "brought back in step: end the job and resume from the last checkpoint"
+        )
+        return PassDivergedError(self._diverged)
