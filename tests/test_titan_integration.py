@@ -361,21 +361,16 @@ def test_unknown_dmuon_key_in_toml(tmp_path):
 
 
 def test_train_configs_parse():
-    """Every shipped config parses with the [dmuon] section (GPU ones are not run here).
-    In this process: the parser is the one ./run_train.sh runs, and TorchTitan is already
-    imported here (a subprocess would spend seconds importing it again)."""
+    """Every shipped config parses with the [dmuon] section (GPU ones are not run here),
+    with no flag but the file: each names its ``[job] custom_config_module``, so any
+    launcher runs it. In this process: the parser is the one the trainer runs, and
+    TorchTitan is already imported here (a subprocess would spend seconds importing it)."""
     from torchtitan.config import ConfigManager
 
     lines = []
     for path in sorted((ROOT / "train_configs").glob("*.toml")):
-        cfg = ConfigManager().parse_args(
-            [
-                "--job.config_file",
-                str(path),
-                "--job.custom_config_module",
-                "torchtitan_dmuon.titan.config",
-            ]
-        )
+        cfg = ConfigManager().parse_args(["--job.config_file", str(path)])
+        assert cfg.job.custom_config_module == "torchtitan_dmuon.titan.config", path
         assert cfg.optimizer.name == "DMuon", path
         lines.append(
             f"{path.relative_to(ROOT)} {cfg.model.name} {cfg.model.flavor} "
@@ -388,6 +383,30 @@ def test_train_configs_parse():
     assert any("qwen3_30b_a3b_ep8.toml qwen3 30B-A3B True 1 8" in line for line in lines)
     assert any("deepseek_v3_16b_ep8.toml deepseek_v3 16B True 1 8" in line for line in lines)
     assert any("qwen3_debug_moe.toml qwen3 debugmodel_moe True 1 2" in line for line in lines)
+
+
+@pytest.mark.slow
+def test_torchrun_alone_trains_a_shipped_config(tmp_path, tmp_path_factory):
+    """A shipped config started by torchrun directly (as cluster launchers and
+    TorchTitan's own script do: no run_train.sh, no flag naming the [dmuon] config
+    module) trains, with the plain run's losses (through the project's launcher) bitwise."""
+    plain = shared_run(PLAIN, 2, tmp_path_factory)
+    dump = tmp_path / "torchrun"
+    command = [
+        str(ROOT / ".venv/bin/torchrun"), "--nproc_per_node=2", "--rdzv_backend", "c10d",
+        "--rdzv_endpoint", "localhost:0", "--local-ranks-filter", "0", "--role", "rank",
+        "--tee", "3", "-m", "torchtitan_dmuon.titan.train",
+        "--job.config_file", "train_configs/debug_cpu.toml", "--job.dump_folder", str(dump),
+        *PLAIN,
+    ]  # fmt: skip
+    proc = subprocess.run(
+        command, cwd=ROOT, env=train_env(2, dump), capture_output=True, text=True, timeout=900
+    )
+    run = finished_run(proc.returncode, proc.stdout + proc.stderr, dump)
+    assert run.returncode == 0, run.output[-4000:]
+    assert plain.returncode == 0, plain.output[-4000:]
+    assert sorted(run.losses) == [1, 2, 3, 4, 5, 6]
+    assert run.losses == plain.losses
 
 
 def test_config_file_named_last_is_used(tmp_path_factory):
