@@ -457,6 +457,22 @@ def test_moe_configs_select_what_a_muon_user_would(config_name):
     assert unset.dmuon is default  # one selection for every part and the optimizer
 
 
+def test_named_params_keep_the_models_hook_boundaries(caplog):
+    """``[dmuon] params`` named and ``hook_boundaries`` left empty (qwen3's MoE debug
+    config without its hook_boundaries line): the model's own boundaries (its MoE and
+    expert modules) still apply, and the log says so; they were dropped (the blocks
+    only) before."""
+    cfg, model = _meta_model("--job.config_file", str(ROOT / "train_configs/qwen3_debug_moe.toml"))
+    named = copy.deepcopy(cfg)
+    named.dmuon = dataclasses.replace(cfg.dmuon, hook_boundaries=[])
+    with caplog.at_level("INFO", logger="torchtitan_dmuon.titan.parallelize"):
+        resolved = resolve_selection(model, named)
+    assert resolved.params == cfg.dmuon.params
+    assert resolved.hook_boundaries == ["layers.*.moe", "layers.*.moe.experts"]
+    assert named.dmuon is resolved
+    assert "[dmuon] hook_boundaries unset: model qwen3 (debugmodel_moe)'s own" in caplog.text
+
+
 def _meta_model(*args: str):
     """TorchTitan's JobConfig from ``args`` (with [dmuon]) and its model on meta."""
     from torchtitan.config import ConfigManager

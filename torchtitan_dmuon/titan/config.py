@@ -87,8 +87,8 @@ class DMuon(MuonConfig):
     """Glob patterns over module names that become hook boundaries besides the transformer
     blocks (the innermost boundary of a matrix drives its broadcasts and reduce), e.g.
     ["layers.*.moe", "layers.*.moe.experts"] to align with MoE and expert modules. Empty:
-    with params empty too, the model's own (its MoE and expert modules, where it has
-    them); else the blocks only (as fully_shard)."""
+    the model's own (its MoE and expert modules, where it has them; logged when params is
+    set), else the blocks only (as fully_shard)."""
 
     reshard_after_forward: bool | None = None
     """True: Z3 (free non-owned matrices after forward, broadcast again before backward).

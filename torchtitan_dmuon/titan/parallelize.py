@@ -20,6 +20,7 @@ import copy
 import dataclasses
 import fnmatch
 import functools
+import logging
 import weakref
 from collections.abc import Callable
 
@@ -31,6 +32,8 @@ from torchtitan_dmuon.engine import attach_pipeline_stage, dedicate_params, get_
 from torchtitan_dmuon.engine.plan import default_boundary_modules
 from torchtitan_dmuon.optim.qk_clip import discard_records
 from torchtitan_dmuon.titan.config import MODEL_SELECTIONS, DMuon
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "DMUON",
@@ -107,11 +110,18 @@ def resolve_selection(model: nn.Module, job_config) -> DMuon:
                 f"[dmuon] params is empty and model {model_name} has no default selection "
                 "that matches its parameters: name the matrices DMuon should take"
             )
-        settings = dataclasses.replace(
-            settings,
-            params=_matching(default.params, params),
-            hook_boundaries=settings.hook_boundaries or _matching(default.hook_boundaries, modules),
-        )
+        settings = dataclasses.replace(settings, params=_matching(default.params, params))
+    if not settings.hook_boundaries and default is not None:
+        boundaries = _matching(default.hook_boundaries, modules)
+        if boundaries:
+            if job_config.dmuon.params:  # the user's own selection keeps the model's boundaries
+                logger.info(
+                    "[dmuon] hook_boundaries unset: model %s's own, %s, besides its blocks",
+                    model_name,
+                    boundaries,
+                )
+            settings = dataclasses.replace(settings, hook_boundaries=boundaries)
+    if settings is not job_config.dmuon:
         job_config.dmuon = settings
     for key, names, what in (
         ("params", params, "parameter"),
