@@ -86,11 +86,15 @@ def test_python_spellings_are_normalized_and_the_config_is_frozen():
 
 def test_the_dmuon_section_is_a_muon_config_and_declares_none_of_its_fields():
     """A setting is declared once: the [dmuon] section inherits every MuonConfig field
-    (type, default, docstring, check) and adds only what the trainer alone reads."""
+    (type, default, docstring, check) and adds only what the trainer alone reads; the one
+    it redeclares is weight_decay, whose default there is unset (``[optimizer]``'s)."""
     muon_fields = {f.name for f in dataclasses.fields(MuonConfig)}
     assert issubclass(DMuon, MuonConfig)
     assert muon_fields <= {f.name for f in dataclasses.fields(DMuon)}
-    assert not muon_fields & set(DMuon.__dict__.get("__annotations__", {}))
+    assert muon_fields & set(DMuon.__dict__.get("__annotations__", {})) == {"weight_decay"}
+    assert DMuon().weight_decay is None and MuonConfig().weight_decay == 0.0
+    with pytest.raises(ValueError, match=r"^\[dmuon\] weight_decay must be >= 0.0"):
+        DMuon(weight_decay=-0.1)
     with pytest.raises(ValueError, match=r"^\[dmuon\] momentum must be \[0.0, 1.0\)"):
         DMuon(momentum=1.0)
 
@@ -102,7 +106,7 @@ def test_the_toml_section_parses_to_the_config_muon_takes(tmp_path):
     toml.write_text(
         '[job]\ncustom_config_module = "torchtitan_dmuon.titan.config"\n'
         "[dmuon]\nns_coefficients = [[3.0, -3.2, 1.2], [3.4445, -4.775, 2.0315]]\n"
-        "momentum = 0.9\n"
+        "momentum = 0.9\nweight_decay = 0.05\n"
     )
     job = ConfigManager().parse_args(
         ["--job.config_file", str(toml), "--dmuon.eps", "1e-6", "--dmuon.ns_dtype", "float32"]
@@ -113,8 +117,9 @@ def test_the_toml_section_parses_to_the_config_muon_takes(tmp_path):
     assert (section.momentum, section.eps, section.ns_dtype) == (0.9, 1e-6, "float32")
     optimizer = Muon(make_model(), section, predicate=proj_predicate)
     assert optimizer.config == MuonConfig(
-        momentum=0.9, eps=1e-6, ns_dtype="float32", ns_coefficients=section.ns_coefficients
-    )
+        momentum=0.9, weight_decay=0.05, eps=1e-6, ns_dtype="float32",
+        ns_coefficients=section.ns_coefficients,
+    )  # fmt: skip
     assert optimizer.ns.schedule.coefficients[-1] == (3.4445, -4.775, 2.0315)
     assert optimizer.ns.eps == 1e-6 and optimizer.ns.dtype == torch.float32
 

@@ -91,9 +91,12 @@ def _check_types(config: object, where: str, prefix: str = "") -> None:
         raise TypeError(message)
 
 
-def _check_range(where: str, value: float, low: float, high: float | None = None) -> None:
+def _check_range(where: str, value: float | None, low: float, high: float | None = None) -> None:
     """``low <= value < high`` (``high`` None: no upper bound); ``value``'s type was
-    checked (``_check_types``) before."""
+    checked (``_check_types``) before. None (a setting a subclass leaves unset, to be
+    filled from elsewhere) passes."""
+    if value is None:
+        return
     ok = value >= low and (high is None or value < high)
     if not ok:
         bound = f"[{low}, {high})" if high is not None else f">= {low}"

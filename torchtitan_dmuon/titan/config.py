@@ -5,7 +5,8 @@ point ``torchtitan_dmuon.titan.train`` sets it), so every field below is a TOML 
 (``[dmuon] ns_steps = 5``) and a flag (``--dmuon.ns_steps 5``) with this docstring as its
 ``--help`` text. DMuon is switched on by ``[optimizer] name = "DMuon"``; AdamW, which takes
 every parameter DMuon does not, keeps TorchTitan's own ``[optimizer]`` lr, beta1, beta2,
-eps and weight_decay.
+eps and weight_decay; ``[optimizer] weight_decay`` is also the Muon matrices' unless
+``[dmuon] weight_decay`` is set.
 
 The section is a :class:`~torchtitan_dmuon.optim.config.MuonConfig`, the same object
 ``Muon`` takes in Python: a setting is declared once, there. Choice fields are
@@ -73,6 +74,11 @@ class DMuon(MuonConfig):
     settings, declared there once), and what only the trainer reads."""
 
     where: ClassVar[str] = "[dmuon] "
+
+    weight_decay: float | None = None
+    """Decoupled weight decay of the Muon matrices. Unset: [optimizer] weight_decay, so one
+    setting decays every parameter, as with TorchTitan's AdamW (the startup log prints
+    what each group gets)."""
 
     params: list[str] = field(default_factory=list)
     """Glob patterns over parameter names (activation-checkpoint and compile wrapper

@@ -14,6 +14,7 @@ reads it whole.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import numbers
 import time
@@ -40,8 +41,13 @@ __all__ = ["DMuonOptimizersContainer", "build_dmuon_optimizers"]
 
 def _build_muon(model: nn.Module, optimizer_config, parallel_dims) -> Muon:
     """The part's ``Muon``: the ``[dmuon]`` section is its :class:`MuonConfig` (checked at
-    parse time); AdamW's settings are TorchTitan's ``[optimizer]``."""
+    parse time; ``weight_decay`` unset: ``[optimizer]``'s); AdamW's settings are
+    TorchTitan's ``[optimizer]``."""
     settings = dmuon_settings(model)
+    muon_decay = "[dmuon] weight_decay"
+    if settings.weight_decay is None:
+        settings = dataclasses.replace(settings, weight_decay=optimizer_config.weight_decay)
+        muon_decay = "[optimizer] weight_decay; [dmuon] weight_decay unset"
     adamw = AdamWConfig(
         lr=optimizer_config.lr,
         betas=(optimizer_config.beta1, optimizer_config.beta2),
@@ -52,6 +58,13 @@ def _build_muon(model: nn.Module, optimizer_config, parallel_dims) -> Muon:
         fused=optimizer_config.implementation == "fused",
     )
     dedicated = get_dedication(model) is not None
+    logger.info(
+        "DMuon weight decay: %g on the Muon matrices (%s), %g on the AdamW parameters "
+        "([optimizer] weight_decay)",
+        settings.weight_decay,
+        muon_decay,
+        adamw.weight_decay,
+    )
     return Muon(
         model,
         settings,
