@@ -123,6 +123,43 @@ def test_cpu_profiling_and_hf_export_of_dedicated_matrices(tmp_path, tmp_path_fa
         assert torch.equal(from_hf[key], value), key
 
 
+# A fresh run (step 1, LR warmup, new optimizer state) starting from trained weights, as
+# TorchTitan 0.2.2 offers it: from HF safetensors or from a DCP checkpoint's model.
+START = ["--training.steps", "3", "--checkpoint.enable", "--checkpoint.initial_load_path"]
+FROM_HF = ["--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_model_only"]
+FROM_DCP = ["--checkpoint.initial_load_model_only"]
+
+
+def test_start_from_hf_weights(tmp_path, tmp_path_factory):
+    """Run A starts from the HF export of test_cpu_profiling_and_hf_export_of_dedicated_matrices
+    (step 6 of the Z2 run), run B from the model of the bit-identical plain run's DCP
+    checkpoint at step 6: each dedicated matrix reaches its owner from either, so their
+    losses are bit-identical, and well below a fresh model's (the plain run's step 1, the
+    same batch). The equality is what sees the dedicated matrices: with the HF load made
+    to skip them (the rest loaded), A logged 7.00614 at step 1, B 7.00068."""
+    hf_dir, dcp_dir = "{dump}/run0/checkpoint/step-6", "{dump}/run1/checkpoint/step-6"
+    _, plain, from_hf, from_dcp = run_case(
+        OverrideDefinitions(
+            [
+                Z2_PROFILED_HF,
+                PLAIN,
+                [*SHORT, *START, hf_dir, *FROM_HF],
+                [*SHORT, *START, dcp_dir, *FROM_DCP],
+            ],
+            "A fresh DMuon run from HF safetensors equals one from the DCP checkpoint",
+            "start_from_hf_weights",
+            shared=(0, 1),
+        ),
+        tmp_path,
+        tmp_path_factory,
+    )
+    assert "loading from HF safetensors from --checkpoint.initial_load_path" in from_hf.output
+    assert f"Loading the checkpoint from {tmp_path}/run1/checkpoint/step-6" in from_dcp.output
+    assert sorted(from_hf.losses) == sorted(from_dcp.losses) == [1, 2, 3]
+    assert from_hf.losses == from_dcp.losses
+    assert from_hf.losses[1] < plain.losses[1] - 0.5
+
+
 NAN_STEP = 2
 STEPS = 4
 POLICIES = ("skip", "stop", "continue")
