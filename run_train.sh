@@ -4,8 +4,10 @@
 #   ./run_train.sh                                  # the embedded default: train_configs/debug_cpu.toml
 #   NGPU=4 ./run_train.sh --job.config_file train_configs/X.toml --section.key value ...
 #
-# NGPU: processes to launch on this node (default: every local GPU, or 2 CPU processes on
-# gloo where there is no GPU). LOG_RANK: the local ranks whose output is shown (default 0).
+# NGPU: processes to launch on this node (default: the GPUs CUDA_VISIBLE_DEVICES lists, else
+# every GPU nvidia-smi -L lists, MIG slices not counted; 2 CPU processes on gloo where there
+# is no GPU). LOG_RANK: the local ranks whose output is shown (default 0). The command
+# launched is printed first; PYTORCH_ALLOC_CONF defaults to expandable_segments:True.
 # The config file named last on the command line is the one used (TorchTitan's own parser
 # would silently keep the first); every other argument is passed to TorchTitan as an
 # override.
@@ -49,11 +51,15 @@ done
 [[ -f "$CONFIG_FILE" ]] || { echo "run_train.sh: config file not found: $CONFIG_FILE" >&2; exit 2; }
 
 if [[ -z "${NGPU:-}" ]]; then
-  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    NGPU="$(nvidia-smi -L | wc -l)"
-  else
-    NGPU=2
+  if [[ -n "${CUDA_VISIBLE_DEVICES:-}" ]]; then
+    # The GPUs this job may use (torch numbers them 0..n-1 whatever the list says).
+    IFS=, read -r -a visible <<<"$CUDA_VISIBLE_DEVICES"
+    NGPU="${#visible[@]}"
+  elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    # Physical GPUs only: nvidia-smi -L also lists each one's MIG slices, indented.
+    NGPU="$(nvidia-smi -L | grep -c '^GPU ' || true)"
   fi
+  [[ "${NGPU:-0}" -gt 0 ]] || NGPU=2
 fi
 
 NNODES="${NNODES:-1}"
@@ -71,8 +77,12 @@ else
   exit 2
 fi
 
-./scripts/setup.sh
 VENV="${DMUON_VENV:-$ROOT/.venv}"
-exec "$VENV/bin/torchrun" --nproc_per_node="$NGPU" "${launch[@]}" \
-  --local-ranks-filter "${LOG_RANK:-0}" --role rank --tee 3 \
-  -m torchtitan_dmuon.titan.train --job.config_file "$CONFIG_FILE" ${overrides[@]+"${overrides[@]}"}
+# As TorchTitan's run_train.sh: fewer out-of-memory errors from fragmentation on CUDA.
+export PYTORCH_ALLOC_CONF="${PYTORCH_ALLOC_CONF:-expandable_segments:True}"
+command=("$VENV/bin/torchrun" --nproc_per_node="$NGPU" "${launch[@]}"
+  --local-ranks-filter "${LOG_RANK:-0}" --role rank --tee 3
+  -m torchtitan_dmuon.titan.train --job.config_file "$CONFIG_FILE" ${overrides[@]+"${overrides[@]}"})
+echo "run_train.sh: PYTORCH_ALLOC_CONF=$PYTORCH_ALLOC_CONF ${command[*]}" >&2
+./scripts/setup.sh
+exec "${command[@]}"

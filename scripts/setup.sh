@@ -8,7 +8,11 @@
 # torch is installed first and then frozen with a constraint, so that no later
 # requirement can swap it: on a machine without an NVIDIA GPU that is the CPU build
 # of torch 2.13.0 (plus triton 3.9.0, which torchtitan imports); on a CUDA machine
-# the CUDA torch already present (>= 2.13) is kept and everything is installed around it.
+# the CUDA torch already present (>= 2.13) is kept and everything is installed around it,
+# or, where there is none, torch is installed from DMUON_TORCH_INDEX_URL (default: the
+# package index; e.g. https://download.pytorch.org/whl/cu128 for CUDA 12.8 wheels).
+# A venv holding CPU torch on a node with NVIDIA GPUs stops every launch with the fix
+# (DMUON_ALLOW_CPU=1: train on the CPUs anyway).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -25,6 +29,21 @@ case "${1:-}" in
   --dev) kind=dev; extras="[test,bench,peer-muon-fsdp2,peer-dtensor-muon]" ;;
   *) echo "[setup] unknown argument '$1' (expected nothing or --dev)" >&2; exit 2 ;;
 esac
+
+has_gpu=0
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then has_gpu=1; fi
+# Checked at every launch (a directory listing, no import): a venv set up on a node without
+# GPUs (a login node) holds CPU torch, with which a GPU node would train on its CPUs.
+if [[ "$has_gpu" == 1 && "${DMUON_ALLOW_CPU:-}" != 1 ]] \
+    && compgen -G "$VENV/lib/python3*/site-packages/torch-*+cpu.dist-info" >/dev/null; then
+  cpu_torch="$(basename "$(compgen -G "$VENV/lib/python3*/site-packages/torch-*+cpu.dist-info" | head -1)" .dist-info)"
+  echo "[setup] this node has NVIDIA GPUs (nvidia-smi -L) but $VENV holds the CPU build" \
+    "${cpu_torch#torch-} of torch (set up on a node without GPUs). Set it up again here:" \
+    "rm -rf $VENV && ./scripts/setup.sh (DMUON_TORCH_INDEX_URL picks the CUDA wheel index," \
+    "e.g. https://download.pytorch.org/whl/cu128; or DMUON_VENV=<another folder>), or" \
+    "set DMUON_ALLOW_CPU=1 to train on the CPUs" >&2
+  exit 1
+fi
 
 # Re-run only when the project's dependency list changed since the last setup (or the
 # extras are wanted and were not installed). Contents only (not paths), so that
@@ -54,14 +73,15 @@ fi
 PIP=("$PY" -m pip --disable-pip-version-check -q)
 
 installed_torch="$("$PY" -c 'import torch; print(torch.__version__)' 2>/dev/null || true)"
-has_gpu=0
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then has_gpu=1; fi
 
 if [[ "$has_gpu" == 1 && -n "$installed_torch" && "$installed_torch" != *+cpu* ]]; then
   log "keeping CUDA torch $installed_torch"
 elif [[ "$has_gpu" == 1 ]]; then
-  log "NVIDIA GPU found and no CUDA torch present: installing torch>=2.13 from the index"
-  "${PIP[@]}" install "torch>=2.13,<2.15"
+  index=()
+  [[ -z "${DMUON_TORCH_INDEX_URL:-}" ]] || index=(--index-url "$DMUON_TORCH_INDEX_URL")
+  log "NVIDIA GPU found and no CUDA torch present: installing torch>=2.13 from" \
+    "${DMUON_TORCH_INDEX_URL:-the default index}"
+  "${PIP[@]}" install ${index[@]+"${index[@]}"} "torch>=2.13,<2.15"
 elif [[ "$installed_torch" != "$TORCH_CPU_VERSION"* ]]; then
   log "installing CPU torch $TORCH_CPU_VERSION"
   "${PIP[@]}" install "torch==$TORCH_CPU_VERSION"

@@ -18,7 +18,9 @@ TorchTitan targets accelerators. On a machine without one (CI, laptops) this lay
   and asks for gloo once under CPU offloading;
 
 :func:`enable_cpu_support` applies it only when no CUDA device is present (GPU runs never
-go through it), through the trainer's :class:`~torchtitan_dmuon.titan.patches.PatchRegistry`,
+go through it), and refuses to on a machine with NVIDIA GPUs that torch cannot see (a CPU
+build of torch set up on a login node: the job would train on the CPUs), through the
+trainer's :class:`~torchtitan_dmuon.titan.patches.PatchRegistry`,
 which undoes all of it when the trainer ends.
 """
 
@@ -28,6 +30,8 @@ import functools
 import logging
 import os
 import resource
+import shutil
+import subprocess
 import types
 
 import torch
@@ -139,11 +143,44 @@ def _cpu_init_distributed(init_distributed):
     return wrapper
 
 
+ALLOW_CPU_ENV = "DMUON_ALLOW_CPU"
+"""Set to 1 to train on the CPUs of a machine whose NVIDIA GPUs torch cannot use."""
+
+
+def _unused_nvidia_gpus() -> int:
+    """How many GPUs ``nvidia-smi -L`` lists (0 without the tool or a driver)."""
+    tool = shutil.which("nvidia-smi")
+    if tool is None:
+        return 0
+    try:
+        listed = subprocess.run([tool, "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    if listed.returncode != 0:
+        return 0
+    return sum(line.startswith("GPU ") for line in listed.stdout.splitlines())
+
+
 def enable_cpu_support(patches: PatchRegistry) -> bool:
     """Apply the CPU layer through ``patches`` if there is no CUDA device. Returns whether
-    it is active."""
+    it is active.
+
+    Raises:
+        RuntimeError: The machine has NVIDIA GPUs that this torch cannot use (a CPU build,
+            or one without a matching driver), unless ``DMUON_ALLOW_CPU=1``.
+    """
     if torch.cuda.is_available():
         return False
+    gpus = _unused_nvidia_gpus()
+    if gpus and os.environ.get(ALLOW_CPU_ENV) != "1":
+        raise RuntimeError(
+            f"this machine has {gpus} NVIDIA GPU(s) (nvidia-smi -L), but torch "
+            f"{torch.__version__} cannot use them (torch.cuda.is_available() is False: a CPU "
+            "build, e.g. set up on a node without GPUs): run ./scripts/setup.sh on this node "
+            "(it installs CUDA torch; DMUON_TORCH_INDEX_URL names the wheel index, e.g. "
+            f"https://download.pytorch.org/whl/cu128), or set {ALLOW_CPU_ENV}=1 to train on "
+            "the CPUs"
+        )
     import torchtitan.components.metrics as metrics
     import torchtitan.distributed.parallel_dims as parallel_dims
     import torchtitan.distributed.utils as dist_utils
