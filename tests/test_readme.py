@@ -131,3 +131,23 @@ def test_guide_snippet_trains_like_one_process(name, snippet_runs):
     for r in by_rank:
         for param, value in r["params"].items():
             torch.testing.assert_close(value, reference[param].detach(), **tolerance)
+
+
+def test_cluster_guide_commands_are_tested_or_need_a_gpu():
+    """Every command of the README's cluster guide either names the test that runs it
+    (``# tested: tests/FILE::TEST``, and that test exists) or says it needs a GPU."""
+    readme = (ROOT / "README.md").read_text()
+    guide = readme.split("## From a laptop to a cluster", 1)[1].split("\n## ", 1)[0]
+    commands = [
+        line
+        for block in re.findall(r"```bash\n(.*?)```", guide, re.S)
+        for line in block.splitlines()
+        if line.strip()
+    ]
+    assert len(commands) >= 8
+    for command in commands:
+        tested = re.search(r"# .*tested: (tests/\w+\.py)::(\w+)", command)
+        assert tested or "# needs a GPU" in command, command
+        if tested:
+            path, name = tested.groups()
+            assert f"\ndef {name}(" in (ROOT / path).read_text(), command

@@ -453,8 +453,9 @@ def test_default_config_chooses_ns_dtype_and_backend_once_and_caches(tmp_path):
     elif not ns_choice._native_cpu_bf16():
         assert chose.group(1) == "float32" and "no native bf16" in chose.group(2)
     picked = re.compile(
-        r"ns_backend='auto' for torch\.\w+ on 2 rank\(s\): (.*) \(this rank: (\d+) shapes "
-        r"measured, (\d+) from the cache, ([\d.]+) s\)"
+        r"ns_backend='auto' for torch\.\w+ on 2 rank\(s\): (.*) \(each backend checked "
+        r"against torch's result on this device for the shape, coefficients, dtype and eps; "
+        r"this rank: (\d+) shapes measured, (\d+) from the cache, ([\d.]+) s\)"
     )
     (pick1, measured1, cached1, seconds1), (pick2, measured2, cached2, _) = (
         picked.search(run.output).groups() for run in (first, second)

@@ -333,8 +333,9 @@ def _agree_ns_backends(
     )
     report = NSBackendReport(picks, measured, len(shapes) - measured, time.perf_counter() - start)
     logger.info(
-        "dmuon: ns_backend='auto' for %s on %d rank(s): %s (this rank: %d shapes measured, "
-        "%d from the cache, %.2f s)",
+        "dmuon: ns_backend='auto' for %s on %d rank(s): %s (each backend checked against "
+        "torch's result on this device for the shape, coefficients, dtype and eps; this "
+        "rank: %d shapes measured, %d from the cache, %.2f s)",
         dtype, len(everyone),
         ", ".join(f"{r}x{c} {name}" for (r, c), name in picks.items()) or "no shape to pick",
         report.measured, report.cached, report.seconds,
