@@ -8,6 +8,8 @@
 # every GPU nvidia-smi -L lists, MIG slices not counted; 2 CPU processes on gloo where there
 # is no GPU). LOG_RANK: the local ranks whose output is shown (default 0). The command
 # launched is printed first; PYTORCH_ALLOC_CONF defaults to expandable_segments:True.
+# COMM_MODE=fake_backend: TorchTitan's dry run, one process standing for NGPU ranks on a
+# fake process group, one step (NGPU=1024 COMM_MODE=fake_backend ./run_train.sh ...).
 # The config file named last on the command line is the one used (TorchTitan's own parser
 # would silently keep the first); every other argument is passed to TorchTitan as an
 # override.
@@ -80,9 +82,18 @@ fi
 VENV="${DMUON_VENV:-$ROOT/.venv}"
 # As TorchTitan's run_train.sh: fewer out-of-memory errors from fragmentation on CUDA.
 export PYTORCH_ALLOC_CONF="${PYTORCH_ALLOC_CONF:-expandable_segments:True}"
-command=("$VENV/bin/torchrun" --nproc_per_node="$NGPU" "${launch[@]}"
-  --local-ranks-filter "${LOG_RANK:-0}" --role rank --tee 3
-  -m torchtitan_dmuon.titan.train --job.config_file "$CONFIG_FILE" ${overrides[@]+"${overrides[@]}"})
-echo "run_train.sh: PYTORCH_ALLOC_CONF=$PYTORCH_ALLOC_CONF ${command[*]}" >&2
+if [[ -n "${COMM_MODE:-}" ]]; then
+  # TorchTitan's dry run: one process stands for NGPU ranks on a fake process group
+  # (nothing is communicated): config, model, parallelisms and DMuon's plan are built and
+  # one step runs.
+  export LOCAL_RANK=0 NGPU
+  command=("$VENV/bin/python" -m torchtitan_dmuon.titan.train --job.config_file "$CONFIG_FILE"
+    ${overrides[@]+"${overrides[@]}"} --comm.mode "$COMM_MODE" --training.steps 1)
+else
+  command=("$VENV/bin/torchrun" --nproc_per_node="$NGPU" "${launch[@]}"
+    --local-ranks-filter "${LOG_RANK:-0}" --role rank --tee 3
+    -m torchtitan_dmuon.titan.train --job.config_file "$CONFIG_FILE" ${overrides[@]+"${overrides[@]}"})
+fi
+echo "run_train.sh: NGPU=$NGPU PYTORCH_ALLOC_CONF=$PYTORCH_ALLOC_CONF ${command[*]}" >&2
 ./scripts/setup.sh
 exec "${command[@]}"

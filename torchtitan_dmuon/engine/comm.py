@@ -24,6 +24,7 @@ __all__ = [
     "engine_group",
     "flagged_grad_bucket",
     "gather_over_groups",
+    "is_fake",
     "mesh_device",
     "reduce_sum",
 ]
@@ -96,7 +97,21 @@ def broadcast(
     """Asynchronously broadcast ``tensor`` from group rank ``group_src``; counted as
     ``kind``."""
     stats.record(kind, tensor)
+    if is_fake(group) and dist.get_rank(group) != group_src:
+        _fake_receive(tensor)
     return dist.broadcast(tensor, group=group, group_src=group_src, async_op=True)
+
+
+def _fake_receive(tensor: torch.Tensor) -> None:
+    """What a dry run's receiver holds: a fake broadcast moves nothing, and the engine's
+    receive buffers are uninitialized (NaNs or garbage would steer the forward, e.g. a
+    MoE router's choices, differently from run to run). Weights of an initialization's
+    scale, the same in every run."""
+    generator = torch.Generator(tensor.device).manual_seed(tensor.numel())
+    if tensor.is_floating_point():
+        tensor.normal_(0.0, 0.02, generator=generator)
+    else:
+        tensor.zero_()
 
 
 def reduce_sum(
@@ -218,6 +233,13 @@ class ShardGroups:
 
     def kind(self, collective: str) -> str:
         return self.prefix + collective
+
+
+def is_fake(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` runs on torch's fake backend (TorchTitan's ``--comm.mode
+    fake_backend`` dry run: one process stands for every rank, its collectives move
+    nothing and a gather returns this rank's value for every rank)."""
+    return dist.get_backend(group) == "fake"
 
 
 def mesh_device(mesh: DeviceMesh) -> torch.device:

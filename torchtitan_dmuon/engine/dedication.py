@@ -509,6 +509,11 @@ class Dedication:
         the local experts of ``ep_rank``, expert tensor-parallel shard ``etp_rank``)."""
         if domain == 0:
             return self.slot_ranks[slot]
+        if self.expert_owner_ranks is None:
+            raise RuntimeError(
+                "the split expert stacks' owners are not known under the fake backend (a "
+                "dry run gathers nothing): their checkpoints need a real process group"
+            )
         return self.expert_owner_ranks[ep_rank, slot, etp_rank]
 
     def on_remove(self, undo) -> None:

@@ -16,7 +16,9 @@ raise the same error, or none does.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -25,10 +27,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from torchtitan_dmuon.engine.comm import all_gather_rows, gather_over_groups, mesh_device
+from torchtitan_dmuon.engine.comm import all_gather_rows, gather_over_groups, is_fake, mesh_device
 
 if TYPE_CHECKING:
     from torchtitan_dmuon.engine.dedication import Dedication
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "Intent",
@@ -129,8 +133,12 @@ def verify_plan(dedication: Dedication) -> None:
     mismatch cannot reach a later collective. Ranks outside them (other pipeline stages)
     are not involved: a stage's plan is its own.
     """
-    device = mesh_device(dedication.mesh)
     exchange, expert_parallel = dedication.exchange, dedication.plan.expert_parallel
+    if is_fake(exchange.shard_group):
+        _note_fake_backend()
+        dedication.slot_ranks = _slot_ranks_of_the_mesh(dedication)
+        return
+    device = mesh_device(dedication.mesh)
     fingerprint = dedication.plan.fingerprint(dedication.settings.reshard_after_forward)
     coordinates = [fingerprint, dedication.replicate_rank]
     error, expert_rank, ep_rank, etp_rank = None, 0, 0, 0
@@ -187,6 +195,29 @@ def verify_plan(dedication: Dedication) -> None:
             (ep, replica * per_replica + column, etp): rank
             for replica, rank, column, ep, etp in entries
         }
+
+
+@functools.cache
+def _note_fake_backend() -> None:
+    logger.info(
+        "dmuon: fake backend (a dry run): every gather returns this rank's value, so the "
+        "plan is not compared across ranks (each rank computes it from the same model, "
+        "predicate and mesh) and the owners' ranks follow from the mesh; the split expert "
+        "stacks' owners are unknown (no checkpoint of them)"
+    )
+
+
+def _slot_ranks_of_the_mesh(dedication: Dedication) -> list[int]:
+    """The global rank of each owner slot (replica-major), from the group members alone:
+    a DeviceMesh places ranks affinely, so the rank at (replica r, shard s) is
+    ``replicate_ranks[r] + shard_ranks[s] - this rank``."""
+    exchange = dedication.exchange
+    shard = dist.get_process_group_ranks(exchange.shard_group)
+    if exchange.replicas is None:
+        return shard
+    me = dist.get_rank()
+    replicate = dist.get_process_group_ranks(exchange.replicate_group)
+    return [r + s - me for r in replicate for s in shard]
 
 
 def _layout_error(table: list[list[int]], dim: str) -> Exception | None:

@@ -35,6 +35,7 @@ from torchtitan.components.checkpoint import LR_SCHEDULER, MODEL, OPTIMIZER
 from torchtitan.train import Trainer, main
 
 from torchtitan_dmuon.engine import get_dedication
+from torchtitan_dmuon.engine.comm import is_fake
 from torchtitan_dmuon.titan import register
 from torchtitan_dmuon.titan.checkpoint import (
     DMuonModelWrapper,
@@ -148,9 +149,11 @@ class DMuonTrainer(Trainer):
         # After the first step TorchTitan shortens its groups' timeout to
         # comm.train_timeout_seconds (hang detection); the engine's own groups follow.
         _torchtitan_set_pg_timeouts(timeout, parallel_dims)
-        for dedication in self.dedications:
-            for group in dedication.exchange.process_groups():
-                dist.distributed_c10d._set_pg_timeout(timeout, group)
+        groups = [g for d in self.dedications for g in d.exchange.process_groups()]
+        if groups and is_fake(groups[0]):
+            return  # a dry run: the fake backend has no timeout to set
+        for group in groups:
+            dist.distributed_c10d._set_pg_timeout(timeout, group)
         logger.info("dmuon: the engine's process groups now time out after %s", timeout)
 
     def forward_backward_step(self, *, input_dict, labels, global_valid_tokens) -> torch.Tensor:

@@ -1,0 +1,57 @@
+"""TorchTitan's dry run with DMuon: ``COMM_MODE=fake_backend ./run_train.sh`` (one process
+standing for ``NGPU`` ranks on torch's fake process group, one step), as TorchTitan's own
+script runs it. DMuon's cross-rank plan check cannot mean anything there (every gather
+returns this rank's value): it says so once and takes the owners' ranks from the mesh;
+the rest (plan, hooks, Newton-Schulz, the step) runs as in a real job."""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+
+import pytest
+
+from tests.test_titan_integration import LOSS, ROOT, train_env
+
+PLAN = re.compile(r"dedicate_params: (\d+) parameters \((\d+) matrices\), (\d+) boundaries, "
+                  r"(\d+) units over (\d+) x (\d+) ranks")  # fmt: skip
+FAKE_NOTE = "dmuon: fake backend (a dry run): every gather returns this rank's value"
+
+
+def dry_run(ngpu: int, tmp_path, *args: str, config: str = "train_configs/debug_cpu.toml"):
+    dump = tmp_path / f"dry_{ngpu}"
+    env = dict(train_env(1, dump), NGPU=str(ngpu), COMM_MODE="fake_backend")
+    env.pop("RANK", None)
+    proc = subprocess.run(
+        ["./run_train.sh", "--job.config_file", config, "--job.dump_folder", str(dump), *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    assert f"run_train.sh: NGPU={ngpu} " in output
+    assert "--comm.mode fake_backend --training.steps 1" in output
+    assert output.count(FAKE_NOTE) == 1, output[-4000:]
+    losses = {int(s): float(v) for s, v in LOSS.findall(output)}
+    assert sorted(losses) == [1] and math.isfinite(losses[1]), output[-4000:]
+    return tuple(int(x) for x in PLAN.search(output).groups()), losses[1]
+
+
+@pytest.mark.slow
+def test_dry_run_from_8_to_1024_ranks(tmp_path):
+    """The debug llama3 (42 matrices) at 8 and 1024 FSDP ranks, HSDP 8 x 8 and TP 2 x
+    FSDP 8, and qwen3's MoE debug config (EP 2) at 8: each builds its plan over the
+    simulated ranks and trains its step to a finite loss. Two dry runs at 8 give the same
+    loss: a receiver of a fake broadcast holds the same init-scale weights every time
+    (the engine's uninitialized buffers steered it differently run to run, e.g. NaN)."""
+    first = dry_run(8, tmp_path)
+    assert dry_run(8, tmp_path) == first
+    assert first[0] == (42, 42, 6, 42, 1, 8)
+    assert dry_run(1024, tmp_path)[0] == (42, 42, 6, 42, 1, 1024)
+    hsdp = dry_run(64, tmp_path, "--parallelism.data_parallel_replicate_degree", "8")
+    assert hsdp[0] == (42, 42, 6, 42, 8, 8)
+    tp = dry_run(16, tmp_path, "--parallelism.tensor_parallel_degree", "2")
+    assert tp[0] == (42, 42, 6, 42, 1, 8)
+    moe, _ = dry_run(8, tmp_path, config="train_configs/qwen3_debug_moe.toml")
+    # 8 layers: 32 attention matrices and 24 expert stacks of 64 experts (1568 matrices).
+    assert moe == (56, 1568, 16, 64, 1, 8)
