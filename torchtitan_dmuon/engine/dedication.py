@@ -444,15 +444,18 @@ class Dedication:
     def _log_balance(self) -> None:
         held = self.held_bytes()
         pieces = [d for d in self.plan.params if d.layout.is_piece]  # the split stacks'
+        loads = self.plan.ns_loads()
         logger.info(
             "dmuon: per-rank Newton-Schulz cost max/mean %.3f, held dedicated bytes "
             "(values + masters + momentum) max/mean %.3f (max %.1f MiB), %d stacks split "
-            "into %d pieces",
+            "into %d pieces, %d of %d ranks run no Newton-Schulz",
             self.balance(),
             max_over_mean(held),
             max(held) / 2**20,
             len({d.name for d in pieces}),
             len(pieces),
+            sum(load == 0 for load in loads),
+            len(loads),
         )
         if self.plan.expert_parallel:
             layout = self.plan.domains[1]
