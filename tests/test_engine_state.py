@@ -140,7 +140,7 @@ def _one_rank_raises_in_backward(rank, world, fsdp):
     from torch.distributed.fsdp import fully_shard
 
     from tests.models import loss_fn
-    from tests.workers import data_for
+    from tests.workers import data_for, inject_backward_failure
     from torchtitan_dmuon import dedicate_params
 
     mesh = init_device_mesh("cpu", (world,))
@@ -151,18 +151,11 @@ def _one_rank_raises_in_backward(rank, world, fsdp):
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
     optimizer = Muon(model, lr=0.02, ns_dtype=torch.float32)
-
-    def fail(grad):
-        raise RuntimeError("injected backward failure")
-
-    def raise_in_backward(module, args, output):
-        output.register_hook(fail)
-
     seen = {}
     for step, call in enumerate(("step", "backward", "zero_grad", "forward")):
         inputs, targets = data_for(step, rank, world, same_data=False)
         if step == 1 and rank == 1:
-            model.layers[0].register_forward_hook(raise_in_backward)
+            inject_backward_failure(model.layers[0])
         try:
             if call == "zero_grad":
                 optimizer.zero_grad()

@@ -259,13 +259,10 @@ def _failing_pass(model, opt, rank, world) -> None:
     failing_pass(opt.zero_grad, model.layers[0], lambda: loss_fn(model, inputs, targets).backward())
 
 
-def failing_pass(zero_grad, block, backward, fail_at: int = 0) -> bool:
-    """A pass whose backward raises in ``block``'s backward (after the blocks above it
-    reduced, before it and those below), caught like a training loop skipping a bad batch,
-    which then calls the optimizers' ``zero_grad`` and nothing else: recovering the
-    engine's state and FSDP2's is the engine's job. ``fail_at``: the call of ``block``
-    (micro-batch) whose backward raises. Returns whether it raised here (under pipeline
-    parallelism only the ranks of ``block``'s stage do)."""
+def inject_backward_failure(block, fail_at: int = 0):
+    """Make the backward of ``block``'s call number ``fail_at`` (micro-batch) raise
+    "injected backward failure" (after the blocks above it reduced, before it and those
+    below). Returns the forward hook's handle."""
     calls = []
 
     def raise_in_backward(module, args, output):
@@ -277,7 +274,16 @@ def failing_pass(zero_grad, block, backward, fail_at: int = 0) -> bool:
 
             output.register_hook(fail)
 
-    handle = block.register_forward_hook(raise_in_backward) if block is not None else None
+    return block.register_forward_hook(raise_in_backward)
+
+
+def failing_pass(zero_grad, block, backward, fail_at: int = 0) -> bool:
+    """A pass whose backward raises in ``block``'s backward (:func:`inject_backward_failure`),
+    caught like a training loop skipping a bad batch, which then calls the optimizers'
+    ``zero_grad`` and nothing else: recovering the engine's state and FSDP2's is the
+    engine's job. Returns whether it raised here (under pipeline parallelism only the ranks
+    of ``block``'s stage do)."""
+    handle = inject_backward_failure(block, fail_at) if block is not None else None
     zero_grad()
     raised = False
     try:
