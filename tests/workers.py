@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,7 @@ from torchtitan_dmuon import (
     clip_grad_norm_,
     dedicate_params,
     get_full_param,
+    materialize,
     set_requires_gradient_sync,
 )
 from torchtitan_dmuon.engine.comm import CollectiveCounter
@@ -111,7 +113,8 @@ def train_dmuon(
     boundary's replica value land in time?) differ between the ranks of each shard group,
     as timing can. ``fsdp="blocks"`` shards the blocks only (embedding, norm and head
     under no FSDP module); ``meta_init="swap"`` materializes with ``swap_tensors`` (as
-    tensor-subclass parameters force); ``fail_before_step`` runs one pass whose backward
+    tensor-subclass parameters force), ``meta_init="plan"`` with ``materialize`` (at the
+    plan's size); ``fail_before_step`` runs one pass whose backward
     raises half-way on every rank before that step, caught as a training loop would;
     ``fail_step_at=(step, rank)`` makes that step's ``Muon.step`` raise on that rank in its
     second Newton-Schulz call (then retried), reported as ``"step_failure"``.
@@ -163,7 +166,11 @@ def train_dmuon(
             fully_shard(layer, **fsdp_kwargs)
         if fsdp != "blocks":
             fully_shard(model, **fsdp_kwargs)
-    if meta_init:
+    if meta_init == "plan":
+        # Materialized at the plan's size: this rank allocates only what it holds.
+        source = make_model(seed=0, **(model_kwargs or {}))
+        materialize(model, "cpu", functools.partial(_copy_init_values, model, source))
+    elif meta_init:
         # As TorchTitan does: materialize after fully_shard, then initialize in place.
         swap = torch.__future__.get_swap_module_params_on_conversion()
         torch.__future__.set_swap_module_params_on_conversion(meta_init == "swap")

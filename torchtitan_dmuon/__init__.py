@@ -19,6 +19,7 @@ from torchtitan_dmuon.engine import (
     dedicate_params,
     get_dedication,
     get_full_param,
+    materialize,
     reset_iter_state,
     set_requires_gradient_sync,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "dedicate_params",
     "get_dedication",
     "get_full_param",
+    "materialize",
     "reset_iter_state",
     "set_requires_gradient_sync",
 ]

@@ -20,6 +20,8 @@ for annotations).
 * ``dedication.py``: the runtime that composes them (``Dedication``, its
   ``DedicationSettings``, DDP-style sync of the other parameters, the balance report and
   the NS workload);
+* ``meta_init.py``: a meta model materialized and initialized at the size of its plan
+  (a rank allocates only the dedicated matrices it holds);
 * ``verification.py``: the cross-rank verdicts (what each rank dedicates, the plan);
 * ``owned.py``: ``OwnedMatrices``, what ``Muon`` steps on a dedicated model (the owners'
   matrices, every failure agreed by all ranks, the gather the Newton-Schulz choice agrees
@@ -39,6 +41,7 @@ from torchtitan_dmuon.engine.api import (
 from torchtitan_dmuon.engine.dedication import Dedication, DedicationSettings, get_dedication
 from torchtitan_dmuon.engine.grad_norm import clip_grad_norm_
 from torchtitan_dmuon.engine.hooks import PassDivergedError
+from torchtitan_dmuon.engine.meta_init import materialize
 from torchtitan_dmuon.engine.verification import verify_plan
 
 __all__ = [
@@ -50,6 +53,7 @@ __all__ = [
     "dedicate_params",
     "get_dedication",
     "get_full_param",
+    "materialize",
     "reset_iter_state",
     "set_requires_gradient_sync",
     "verify_plan",

@@ -83,8 +83,8 @@ def get_full_param(model: nn.Module, name: str) -> torch.Tensor:
     found.sort(key=lambda entry: entry[1].layout.experts or (0, 0))  # a split stack's pieces
     if not found:
         raise KeyError(f"{name!r} is not a dedicated parameter")
-    if not dedication.initialized:
-        return found[0][1].param.detach().clone()
+    # Before the first forward only the owner column has the values.
+    dedication.lazy_init()
     # A split stack: its pieces in expert order, each from its owner (the same order
     # on every rank, so the broadcasts match).
     pieces = [_read_entry(dedication, unit, d) for unit, d in found]

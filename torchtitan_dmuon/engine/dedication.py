@@ -249,6 +249,9 @@ class Dedication:
         self.slot_ranks: list[int] | None = None
         self.expert_owner_ranks: dict[tuple[int, int, int], int] | None = None
         self.initialized = False
+        # Between ``materialize.to_empty`` and the end of ``materialize.initializing``:
+        # (device, the unheld matrices left on the meta device, by name).
+        self.awaiting_init: tuple[torch.device, dict[str, nn.Parameter]] | None = None
         self._on_remove: list = []
         fsdp.mark_dedicated(model, [d.name for d in plan.params])
         self.driver = HookDriver(self, plan.boundaries)
@@ -293,6 +296,13 @@ class Dedication:
         self._layouts = {id(d.param): d.layout for d in self.plan.params}
         self.driver.bind_params()
 
+    def unheld_names(self) -> list[str]:
+        """The dedicated parameters of which this rank holds nothing between steps (no
+        unit of theirs is in its column): it never reads their values, only gathers them."""
+        held = {d.name for u in self.units if u.holds for d in u.params}
+        names = dict.fromkeys(d.name for d in self.plan.params)  # a split stack's once
+        return [name for name in names if name not in held]
+
     def lazy_init(self) -> None:
         """Bind each unit's parameters to one flat buffer, at the first forward.
 
@@ -302,6 +312,11 @@ class Dedication:
         """
         if self.initialized:
             return
+        if self.awaiting_init is not None:
+            raise RuntimeError(
+                "the dedicated model was materialized by torchtitan_dmuon's to_empty but not "
+                "initialized: run its initialization inside initializing(model) first"
+            )
         self.bind_params()
         for boundary, units in zip(self.plan.boundaries, self.boundary_units, strict=True):
             bind_boundary(units, *fsdp.mixed_precision_of(self.model, boundary.name))

@@ -29,7 +29,16 @@ from torchtitan_dmuon.engine.comm import flagged_grad_bucket
 from torchtitan_dmuon.engine.param_layout import ParamLayout, local_tensor
 from torchtitan_dmuon.engine.plan import DedicatedParam, UnitPlan
 
-__all__ = ["RefilledParam", "Unit", "bind_boundary"]
+__all__ = ["RefilledParam", "Unit", "bind_boundary", "freed_tensor"]
+
+
+def freed_tensor(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """A contiguous tensor of ``shape`` whose storage is freed: ``allocate`` grows it
+    before use. (Allocated for a moment, as FSDP2's unsharded parameters: torch gives a
+    tensor its shape only with the storage to hold it.)"""
+    tensor = torch.empty(shape, dtype=dtype, device=device)
+    tensor.untyped_storage().resize_(0)
+    return tensor
 
 
 class RefilledParam:
@@ -45,9 +54,10 @@ class RefilledParam:
     """
 
     def __init__(self, param: nn.Parameter, layout: ParamLayout, dtype: torch.dtype) -> None:
-        self.tensor = local_tensor(param).detach().to(dtype, copy=True)
+        local = local_tensor(param)
+        # No values: each use refills it after the gather.
+        self.tensor = freed_tensor(local.shape, dtype, local.device)
         layout.storage(param).data = self.tensor
-        self.free()
 
     def allocate(self) -> None:
         storage = self.tensor.untyped_storage()
@@ -154,17 +164,20 @@ class Unit:
         def values(ds: list[DedicatedParam]) -> torch.Tensor | None:
             if not ds:
                 return None
+            if not self.holds:  # the column's values arrive by gather: nothing to read here
+                numel, device = sum(d.numel for d in ds), ds[0].param.device
+                return torch.empty(numel, dtype=compute_dtype, device=device)  # freed below
+            # Own storage (a master or the other buffer must not share it).
             return torch.cat([d.layout.value(d.param).reshape(-1) for d in ds])
 
         whole = values([d for d in self.params if not d.layout.is_piece])  # into ``flat``
         pieces = values([d for d in self.params if d.layout.is_piece])  # into ``pieces``
         if self.primary and compute_dtype != self.master_dtype:
             self.master = torch.cat([t for t in (whole, pieces) if t is not None])
-        # Own storage each (a master or the other buffer must not share it).
         if whole is not None:
-            self.flat = whole.to(compute_dtype, copy=True)
+            self.flat = whole.to(compute_dtype)
         if pieces is not None:
-            self.pieces = pieces.to(compute_dtype, copy=True)
+            self.pieces = pieces.to(compute_dtype)
         for d in self.params:
             if not d.layout.refills:
                 d.param.data = self.view(self.flat, d)

@@ -28,7 +28,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining.schedules import BACKWARD_WEIGHT
 
-from torchtitan_dmuon.engine import attach_pipeline_stage, dedicate_params, get_dedication
+from torchtitan_dmuon.engine import (
+    attach_pipeline_stage,
+    dedicate_params,
+    get_dedication,
+    meta_init,
+)
 from torchtitan_dmuon.engine.plan import default_boundary_modules
 from torchtitan_dmuon.optim.qk_clip import discard_records
 from torchtitan_dmuon.titan.config import MODEL_SELECTIONS, DMuon
@@ -194,7 +199,27 @@ def _dedicate(
         # gradient division: gradients are sums over ranks, and so are the dedicated ones.
         gradient_divide_factor=1.0,
     )
+    _start_at_plan_size(model)
     _SETTINGS[model] = settings
+
+
+def _start_at_plan_size(model: nn.Module) -> None:
+    """TorchTitan's trainer materializes each model part with ``to_empty`` and then
+    ``init_weights``: both run at the size of the plan (``engine/meta_init.py``), so a
+    rank allocates only the dedicated matrices it holds. Instance attributes, so they go
+    with the model."""
+    init_weights = model.init_weights
+
+    def to_empty(*, device, recurse: bool = True) -> nn.Module:
+        meta_init.to_empty(model, device=device)
+        return model
+
+    def init_weights_at_plan_size(*args, **kwargs):
+        with meta_init.initializing(model):
+            return init_weights(*args, **kwargs)
+
+    model.to_empty = to_empty
+    model.init_weights = init_weights_at_plan_size
 
 
 @contextlib.contextmanager

@@ -1,0 +1,197 @@
+"""Start a model at the size of its plan: a rank allocates only what it will hold.
+
+A model built on the meta device is materialized with ``Module.to_empty`` and initialized
+in place (TorchTitan's ``init_weights``). FSDP2's parameters are DTensors of this rank's
+shard, so ``to_empty`` allocates shards; a dedicated matrix is a full tensor on every rank,
+so ``to_empty`` alone would allocate the whole model's matrices on each rank, although only
+the owner column keeps them (the others receive them by gather right before each use).
+
+:func:`to_empty` leaves the dedicated matrices this rank does not hold on the meta device
+and :func:`initializing` runs the model's initialization with those matrices backed by a
+scratch tensor, one matrix at a time: every random initializer draws from the generator
+as it would on the full matrix, so what this rank does keep (the held matrices, FSDP2's
+shards, buffers) gets the same values as after a full ``to_empty`` and initialization.
+Then each of those matrices becomes a parameter of the same shape whose storage is freed,
+as the engine keeps it between uses. :func:`materialize` runs both.
+
+One scratch at a time means an initialization must finish with a matrix before it turns
+to the next (every model's ``init_weights`` does); one that comes back to an earlier
+matrix raises on every rank alike, naming both, since its values could be lost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
+
+from torchtitan_dmuon.engine.dedication import Dedication, get_dedication
+from torchtitan_dmuon.engine.param_layout import like_param, local_tensor
+from torchtitan_dmuon.engine.unit import freed_tensor
+
+__all__ = ["initializing", "materialize", "to_empty"]
+
+logger = logging.getLogger(__name__)
+
+
+def _dedication_of(model: nn.Module) -> Dedication:
+    dedication = get_dedication(model)
+    if dedication is None:
+        raise ValueError("model was not prepared by dedicate_params")
+    return dedication
+
+
+def _module_and_leaf(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    prefix, _, leaf = name.rpartition(".")
+    return model.get_submodule(prefix), leaf
+
+
+@torch.no_grad()
+def to_empty(model: nn.Module, *, device: torch.device | str) -> None:
+    """``model.to_empty(device=device)``, except the dedicated matrices this rank does not
+    hold, which stay where they are (on the meta device) until :func:`initializing`.
+
+    Call it on every rank after ``dedicate_params`` and ``fully_shard``, then initialize
+    the model inside :func:`initializing`.
+    """
+    dedication = _dedication_of(model)
+    if dedication.initialized:
+        raise RuntimeError("to_empty: the dedicated model has run a forward already")
+    unheld = {name: model.get_parameter(name) for name in dedication.unheld_names()}
+    slots = [(*_module_and_leaf(model, name), param) for name, param in unheld.items()]
+    try:
+        for module, leaf, _ in slots:
+            module._parameters[leaf] = None  # skipped by to_empty; keeps its place in order
+        nn.Module.to_empty(model, device=device)
+    finally:
+        for module, leaf, param in slots:
+            module._parameters[leaf] = param
+    dedication.bind_params()
+    dedication.awaiting_init = (torch.device(device), unheld)
+
+
+# Questions a meta tensor answers as its scratch would: they neither need the scratch nor
+# start on a matrix (a model reads shapes of matrices it is not initializing). Not
+# ``is_meta`` or ``device``: initializers branch on them before drawing.
+_SHAPE_QUERIES = {
+    torch.Tensor.shape.__get__,
+    torch.Tensor.ndim.__get__,
+    torch.Tensor.dtype.__get__,
+    torch.Tensor.requires_grad.__get__,
+    torch.Tensor.size,
+    torch.Tensor.dim,
+    torch.Tensor.numel,
+    torch.Tensor.nelement,
+    torch.Tensor.stride,
+    torch.Tensor.is_floating_point,
+}
+
+
+class _ScratchMode(TorchFunctionMode):
+    """Runs every call that reads or writes an unheld matrix on a scratch tensor of its
+    shape, dtype and layout; one scratch lives at a time.
+
+    Every dedicated parameter is followed (held or not: the order of the model's
+    initialization is the same on every rank), so returning to a matrix after another
+    raises everywhere alike.
+    """
+
+    def __init__(self, unheld: dict[str, nn.Parameter], dedicated: dict[int, str], device):
+        super().__init__()
+        self._unheld = {id(p): p for p in unheld.values()}
+        self._dedicated = dedicated
+        self._device = device
+        self._current: str | None = None
+        self._finished: set[str] = set()
+        self._param: torch.Tensor | None = None
+        self._scratch: torch.Tensor | None = None
+
+    def _follow(self, tensor: torch.Tensor) -> None:
+        name = self._dedicated[id(tensor)]
+        if name == self._current:
+            return
+        if name in self._finished:
+            raise RuntimeError(
+                f"the model's initialization came back to dedicated parameter {name!r} after "
+                f"{self._current!r}: DMuon initializes the matrices a rank does not hold one "
+                "at a time, on a scratch tensor, and would lose what it wrote first. "
+                "Initialize each matrix in one go, or materialize the model with "
+                "Module.to_empty and initialize it outside torchtitan_dmuon's initializing()"
+            )
+        if self._current is not None:
+            self._finished.add(self._current)
+        self._current = name
+        self._param = self._scratch = None  # the previous matrix's scratch goes now
+        if id(tensor) in self._unheld:
+            self._param = tensor
+            self._scratch = like_param(
+                torch.empty(local_tensor(tensor).shape, dtype=tensor.dtype, device=self._device),
+                tensor,
+            )
+
+    def _substitute(self, value):
+        if isinstance(value, torch.Tensor) and id(value) in self._dedicated:
+            self._follow(value)
+            if value is self._param:
+                return self._scratch
+        return value
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _SHAPE_QUERIES:
+            return func(*args, **kwargs)
+        args, kwargs = tree_map(self._substitute, (args, kwargs))
+        out = func(*args, **kwargs)
+        if self._scratch is not None and out is self._scratch:
+            return self._param  # an in-place initializer returns its target: the parameter
+        return out
+
+
+@contextlib.contextmanager
+def initializing(model: nn.Module) -> Iterator[None]:
+    """Run the model's initialization (e.g. ``model.init_weights()``) in this context
+    after :func:`to_empty`: see the module's docstring. On leaving it, the unheld
+    matrices are parameters on the device whose storage is freed."""
+    dedication = _dedication_of(model)
+    if dedication.awaiting_init is None:
+        raise RuntimeError(
+            "initializing: materialize the model with torchtitan_dmuon.engine.meta_init's "
+            "to_empty(model, device=...) first"
+        )
+    device, unheld = dedication.awaiting_init
+    dedicated = {id(model.get_parameter(d.name)): d.name for d in dedication.plan.params}
+    with _ScratchMode(unheld, dedicated, device):
+        yield
+    for name, param in unheld.items():
+        module, leaf = _module_and_leaf(model, name)
+        local = local_tensor(param)
+        storage = freed_tensor(local.shape, param.dtype, device)
+        module._parameters[leaf] = nn.Parameter(
+            like_param(storage, param), requires_grad=param.requires_grad
+        )
+    dedication.awaiting_init = None
+    dedication.bind_params()
+    sizes = {d.name: local_tensor(d.param).nbytes for d in dedication.plan.params}
+    held = sum(size for name, size in sizes.items() if name not in unheld)
+    logger.info(
+        "dmuon: started at the plan's size: %d of %d dedicated parameters held here, "
+        "%.1f of %.1f MiB",
+        len(sizes) - len(unheld), len(sizes), held / 2**20, sum(sizes.values()) / 2**20,
+    )  # fmt: skip
+
+
+def materialize(
+    model: nn.Module, device: torch.device | str, init_weights: Callable[[], None]
+) -> None:
+    """``model.to_empty(device=device)`` then ``init_weights()``, at the size of the plan:
+    this rank allocates its held dedicated matrices in full and FSDP2's shards of the
+    rest (see the module's docstring). Call it on every rank after ``dedicate_params`` and
+    ``fully_shard``; ``init_weights`` runs without gradients."""
+    to_empty(model, device=device)
+    with initializing(model), torch.no_grad():
+        init_weights()
