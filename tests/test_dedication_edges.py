@@ -26,6 +26,7 @@ from tests.workers import (
     MUON_KW,
     REFERENCE_ADAMW_KW,
     as_muon_adamw_kwargs,
+    data_for,
     full_params,
     reference_setup,
     train_configs,
@@ -302,6 +303,40 @@ def test_fully_shard_skips_dedicated_params_until_uninstalled():
     assert result["reinstalled"]
     assert not result["removed_registered"]
     assert all(result["after_remove"].values())
+
+
+def rededicate_worker(rank, world):
+    """Two dedications over the same ranks; the first removed, a third made: the two live
+    ones train a step each."""
+    mesh = init_device_mesh("cpu", (world,))
+
+    def dedicated():
+        model = make_model(seed=0)
+        dedicate_params(model, mesh, proj_predicate)
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+
+    first, second = dedicated(), dedicated()
+    get_dedication(first).remove()
+    third = dedicated()
+    losses = []
+    for model in (second, third):
+        opt = Muon(model, **_muon_kwargs(torch.float32))
+        loss = loss_fn(model, *data_for(0, rank, world, same_data=False))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_a_removed_dedication_leaves_no_group_name_to_collide():
+    """torch names a locally synchronized group after its ranks and the number of live
+    groups: after a dedication's groups were destroyed, the next one's groups took the
+    names of a live dedication's, and the third ``dedicate_params`` hung in ``new_group``."""
+    for losses in run_distributed(rededicate_worker, 2, timeout=90):
+        assert losses[0] == losses[1]
 
 
 def _tied_model():

@@ -27,6 +27,7 @@ __all__ = [
     "is_fake",
     "mesh_device",
     "reduce_sum",
+    "retire_groups",
 ]
 
 
@@ -54,8 +55,18 @@ class CommStats:
         return {"bytes": dict(self.bytes), "calls": dict(self.calls)}
 
 
+# The groups of removed dedications, by (ranks, description), for the next dedication
+# over the same ranks. torch names a locally synchronized group after its ranks and the
+# number of live groups, so after some were destroyed a new group can take a live one's
+# name ("group name has already been created", or a hang in its rendezvous): the engine
+# destroys none of its groups and reuses them instead (the default group's destruction
+# ends them all).
+_RETIRED: dict[tuple[tuple[int, ...], str], list[dist.ProcessGroup]] = {}
+
+
 def engine_group(group: dist.ProcessGroup, description: str) -> dist.ProcessGroup:
-    """A new process group over the ranks of ``group``, used by the engine alone.
+    """A process group over the ranks of ``group``, used by the engine alone: a removed
+    dedication's (:func:`retire_groups`) or a new one.
 
     FSDP2 issues its collectives on the mesh's groups. Sharing them would need the
     engine's and FSDP2's collectives to interleave identically on every rank, and they do
@@ -65,16 +76,29 @@ def engine_group(group: dist.ProcessGroup, description: str) -> dist.ProcessGrou
 
     Only the members call this (local synchronization). Every rank creates its groups in
     the same order (shard, reduce, replicate), so the overlapping creations cannot
-    deadlock. The new group times out as ``group`` does (``new_group`` would take the
+    deadlock. The group times out as ``group`` does (``new_group`` would take the
     backend's default, 30 minutes on gloo): a rank that never joins a reduce then ends
     its peers' wait when the user's own groups would.
     """
+    ranks = dist.get_process_group_ranks(group)
+    timeout = _timeout(group)
+    retired = _RETIRED.get((tuple(ranks), description), [])
+    while retired:  # every member removed the same dedications: each takes the same one
+        reused = retired.pop()
+        if reused in dist.distributed_c10d._world.pg_map:  # else gone with the default group
+            if timeout is not None:
+                dist.distributed_c10d._set_pg_timeout(timeout, reused)
+            return reused
     return dist.new_group(
-        dist.get_process_group_ranks(group),
-        timeout=_timeout(group),
-        use_local_synchronization=True,
-        group_desc=description,
+        ranks, timeout=timeout, use_local_synchronization=True, group_desc=description
     )
+
+
+def retire_groups(groups: list[dist.ProcessGroup]) -> None:
+    """Keep a removed dedication's groups for :func:`engine_group` to reuse."""
+    for group in groups:
+        key = (tuple(dist.get_process_group_ranks(group)), group.group_desc)
+        _RETIRED.setdefault(key, []).append(group)
 
 
 def _timeout(group: dist.ProcessGroup):

@@ -541,12 +541,12 @@ class Dedication:
 
     def remove(self) -> None:
         """Undo :func:`dedicate_params`: the hooks, marks and a pipeline stage's methods go
-        (the values stay where they are) and the engine's process groups are destroyed."""
+        (the values stay where they are); the engine's process groups are kept for the
+        next dedication over the same ranks (see :func:`comm.retire_groups`)."""
         self.wait_replicas()
         while self._on_remove:
             self._on_remove.pop()()
         self.driver.remove()
         _DEDICATIONS.pop(self.model, None)
         fsdp.unmark_dedicated(self.model)
-        for group in self.exchange.process_groups():
-            dist.destroy_process_group(group)
+        comm.retire_groups(self.exchange.process_groups())
