@@ -56,13 +56,14 @@ class PendingReduce:
 
     Attributes:
         unit: Whose gradients.
-        bucket: The packed gradients (and has-gradient flags), reduced in place.
+        bucket: The packed gradients (and has-gradient flags), reduced in place; None
+            once it landed on a rank that is not the unit's primary owner.
         to_column: Stage 1, inside the shard group.
         to_primary: Stage 2 under HSDP, across replicas, once started (column ranks only).
     """
 
     unit: Unit
-    bucket: torch.Tensor
+    bucket: torch.Tensor | None
     to_column: dist.Work
     to_primary: dist.Work | None = None
 
@@ -195,6 +196,22 @@ class Exchange:
                 return
             pending.to_column.wait()
             pending.to_primary = self.replicas.reduce_to_primary(pending.unit, pending.bucket)
+
+    def release_reduces(self, reduces: list[PendingReduce]) -> None:
+        """Let ``reduces`` land and drop their buckets outside the primary owners (whose
+        bucket is the reduced gradient, accumulated at the end of backward).
+
+        Called with all but the last boundary's reduces as backward issues more, so a
+        rank holds at most two boundaries' buckets beyond its owned gradients, as FSDP2
+        keeps one reduce-scatter in flight; else every rank would hold the gradients of
+        every dedicated matrix until the end of backward. Stage 2 of the column's units
+        starts first, in issue order (as :meth:`start_second_stages`).
+        """
+        self.start_second_stages(reduces, wait=True)
+        for pending in reduces:
+            if pending.bucket is not None and not pending.unit.primary:
+                pending.wait()
+                pending.bucket = None
 
     def finish_reduces(self, reduces: list[PendingReduce], divide_factor: float) -> None:
         """The remaining second stages, then the primaries accumulate their gradients."""

@@ -161,6 +161,7 @@ class HookDriver:
         # micro-batches, ``reshard_after_backward`` off).
         self._resident: set[int] = set()
         self._reduces: list = []  # PendingReduce, in issue order
+        self._last_issued = 0  # units of the boundary reduced last
         self.forward_gathers = CollectiveSequence(forward_order, self._issue_gather)
         self.backward_gathers = CollectiveSequence(backward_order, self._issue_gather)
         self.reduce_sequence = CollectiveSequence(backward_order, self._issue_reduce)
@@ -230,6 +231,9 @@ class HookDriver:
 
     def _issue_reduce(self, b: int) -> None:
         with record_function(f"dmuon::reduce b{b}"):
+            # The reduces before the last boundary's land now (two boundaries in flight).
+            self.exchange.release_reduces(self._reduces[: len(self._reduces) - self._last_issued])
+            self._last_issued = len(self.d.boundary_units[b])
             for unit in self.d.boundary_units[b]:
                 self._reduces.append(self.exchange.reduce_to_column(unit))
             for param in self.boundaries[b].parameters:
