@@ -16,6 +16,7 @@ from tests.test_titan_integration import LOSS, ROOT, train_env
 
 PLAN = re.compile(r"dedicate_params: (\d+) parameters \((\d+) matrices\), (\d+) boundaries, "
                   r"(\d+) units over (\d+) x (\d+) ranks")  # fmt: skip
+STARTED = re.compile(r"started at the plan's size: (\d+) of (\d+) dedicated parameters held here")
 FAKE_NOTE = "dmuon: fake backend (a dry run): every gather returns this rank's value"
 
 
@@ -41,15 +42,21 @@ def dry_run(ngpu: int, tmp_path, *args: str, config: str = "train_configs/debug_
 def test_dry_run_from_8_to_1024_ranks(tmp_path):
     """The debug llama3 (42 matrices) at 8 and 1024 FSDP ranks, HSDP 8 x 8 and TP 2 x
     FSDP 8, and qwen3's MoE debug config (EP 2) at 8: each builds its plan over the
-    simulated ranks and trains its step to a finite loss. Two dry runs at 8 give the same
+    simulated ranks, starts at its size (the simulated rank allocates only the matrices
+    it holds) and trains its step to a finite loss. Two dry runs at 8 give the same
     loss: a receiver of a fake broadcast holds the same init-scale weights every time
     (the engine's uninitialized buffers steered it differently run to run, e.g. NaN)."""
     first = dry_run(8, tmp_path)
     assert dry_run(8, tmp_path)[:2] == first[:2]
     assert first[0] == (42, 42, 6, 42, 1, 8)
+    held, total = map(int, STARTED.search(first[2]).groups())
+    assert total == 42 and 1 <= held < 42  # its owned matrices, by the LPT plan
     plan, _, output = dry_run(1024, tmp_path)
     assert plan == (42, 42, 6, 42, 1, 1024)
     assert "982 of 1024 ranks run no Newton-Schulz" in output
+    # The simulated rank allocated at most its one owned matrix of the 42.
+    held, total = map(int, STARTED.search(output).groups())
+    assert total == 42 and held <= 1
     hsdp = dry_run(64, tmp_path, "--parallelism.data_parallel_replicate_degree", "8")
     assert hsdp[0] == (42, 42, 6, 42, 8, 8)
     tp = dry_run(16, tmp_path, "--parallelism.tensor_parallel_degree", "2")
