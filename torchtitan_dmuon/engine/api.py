@@ -39,7 +39,12 @@ from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from torchtitan_dmuon.engine import comm
 from torchtitan_dmuon.engine.comm import all_gather_rows, mesh_device
-from torchtitan_dmuon.engine.dedication import Dedication, DedicationSettings, get_dedication
+from torchtitan_dmuon.engine.dedication import (
+    Dedication,
+    DedicationSettings,
+    dedication_of,
+    get_dedication,
+)
 from torchtitan_dmuon.engine.fsdp import reset_fsdp_state
 from torchtitan_dmuon.engine.param_layout import (
     check_orthogonal,
@@ -76,9 +81,7 @@ def get_full_param(model: nn.Module, name: str) -> torch.Tensor:
     """The current full value of dedicated parameter ``name`` on every rank, in the master
     precision, for evaluation, export and tests. A collective: every rank must call it, in
     the same order."""
-    dedication = get_dedication(model)
-    if dedication is None:
-        raise ValueError("model was not prepared by dedicate_params")
+    dedication = dedication_of(model)
     found = [(u, d) for u in dedication.units for d in u.params if d.name == name]
     found.sort(key=lambda entry: entry[1].layout.experts or (0, 0))  # a split stack's pieces
     if not found:

@@ -54,6 +54,7 @@ __all__ = [
     "Dedication",
     "DedicationSettings",
     "OtherParams",
+    "dedication_of",
     "get_dedication",
 ]
 
@@ -192,6 +193,14 @@ _DEDICATIONS: weakref.WeakKeyDictionary[nn.Module, Dedication] = weakref.WeakKey
 def get_dedication(model: nn.Module) -> Dedication | None:
     """The :class:`Dedication` that ``dedicate_params`` attached to ``model``, if any."""
     return _DEDICATIONS.get(model)
+
+
+def dedication_of(model: nn.Module) -> Dedication:
+    """``model``'s :class:`Dedication`; a ValueError where it has none."""
+    dedication = _DEDICATIONS.get(model)
+    if dedication is None:
+        raise ValueError("model was not prepared by dedicate_params")
+    return dedication
 
 
 class Dedication:

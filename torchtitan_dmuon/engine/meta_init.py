@@ -30,20 +30,13 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from torchtitan_dmuon.engine.dedication import Dedication, get_dedication
+from torchtitan_dmuon.engine.dedication import dedication_of
 from torchtitan_dmuon.engine.param_layout import like_param, local_tensor
 from torchtitan_dmuon.engine.unit import freed_tensor
 
 __all__ = ["initializing", "materialize", "to_empty"]
 
 logger = logging.getLogger(__name__)
-
-
-def _dedication_of(model: nn.Module) -> Dedication:
-    dedication = get_dedication(model)
-    if dedication is None:
-        raise ValueError("model was not prepared by dedicate_params")
-    return dedication
 
 
 def _module_and_leaf(model: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -59,7 +52,7 @@ def to_empty(model: nn.Module, *, device: torch.device | str) -> None:
     Call it on every rank after ``dedicate_params`` and ``fully_shard``, then initialize
     the model inside :func:`initializing`.
     """
-    dedication = _dedication_of(model)
+    dedication = dedication_of(model)
     if dedication.initialized:
         raise RuntimeError("to_empty: the dedicated model has run a forward already")
     unheld = {name: model.get_parameter(name) for name in dedication.unheld_names()}
@@ -103,7 +96,7 @@ class _ScratchMode(TorchFunctionMode):
 
     def __init__(self, unheld: dict[str, nn.Parameter], dedicated: dict[int, str], device):
         super().__init__()
-        self._unheld = {id(p): p for p in unheld.values()}
+        self._unheld = {id(p) for p in unheld.values()}
         self._dedicated = dedicated
         self._device = device
         self._current: str | None = None
@@ -157,7 +150,7 @@ def initializing(model: nn.Module) -> Iterator[None]:
     """Run the model's initialization (e.g. ``model.init_weights()``) in this context
     after :func:`to_empty`: see the module's docstring. On leaving it, the unheld
     matrices are parameters on the device whose storage is freed."""
-    dedication = _dedication_of(model)
+    dedication = dedication_of(model)
     if dedication.awaiting_init is None:
         raise RuntimeError(
             "initializing: materialize the model with torchtitan_dmuon.engine.meta_init's "
