@@ -2,13 +2,16 @@
 standing for ``NGPU`` ranks on torch's fake process group, one step), as TorchTitan's own
 script runs it. DMuon's cross-rank plan check cannot mean anything there (every gather
 returns this rank's value): it says so once and takes the owners' ranks from the mesh;
-the rest (plan, hooks, Newton-Schulz, the step) runs as in a real job."""
+the rest (plan, hooks, Newton-Schulz, the step) runs as in a real job. The plan report
+command counts, without a step, what the run's rank logs at start."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import subprocess
+import sys
 
 import pytest
 
@@ -17,6 +20,7 @@ from tests.test_titan_integration import LOSS, ROOT, train_env
 PLAN = re.compile(r"dedicate_params: (\d+) parameters \((\d+) matrices\), (\d+) boundaries, "
                   r"(\d+) units over (\d+) x (\d+) ranks")  # fmt: skip
 STARTED = re.compile(r"started at the plan's size: (\d+) of (\d+) dedicated parameters held here")
+REPORT = re.compile(r"plan report of model part 0: (rank .*\))")
 FAKE_NOTE = "dmuon: fake backend (a dry run): every gather returns this rank's value"
 
 
@@ -38,6 +42,18 @@ def dry_run(ngpu: int, tmp_path, *args: str, config: str = "train_configs/debug_
     return tuple(int(x) for x in PLAN.search(output).groups()), losses[1], output
 
 
+def plan_report(ngpu: int, tmp_path, *args: str) -> tuple[str, dict]:
+    """The plan report command on the debug config: its line for rank 0, and its JSON."""
+    out = tmp_path / f"report_{ngpu}.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torchtitan_dmuon.titan.plan_report", "--ngpu",
+         str(ngpu), "--job.config_file", "train_configs/debug_cpu.toml", "--out", str(out), *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return REPORT.search(proc.stdout).group(1), json.loads(out.read_text())
+
+
 @pytest.mark.slow
 def test_dry_run_from_8_to_1024_ranks(tmp_path):
     """The debug llama3 (42 matrices) at 8 and 1024 FSDP ranks, HSDP 8 x 8 and TP 2 x
@@ -51,9 +67,17 @@ def test_dry_run_from_8_to_1024_ranks(tmp_path):
     assert first[0] == (42, 42, 6, 42, 1, 8)
     held, total = map(int, STARTED.search(first[2]).groups())
     assert total == 42 and 1 <= held < 42  # its owned matrices, by the LPT plan
+    # The plan report command prints the line the run logged at start, counted alike.
+    line, report = plan_report(8, tmp_path)
+    assert REPORT.search(first[2]).group(1) == line
+    assert report["parts"][0]["summary"]["idle"] == 0 and len(report["parts"][0]["ranks"]) == 8
     plan, _, output = dry_run(1024, tmp_path)
     assert plan == (42, 42, 6, 42, 1, 1024)
     assert "982 of 1024 ranks run no Newton-Schulz" in output
+    line, report = plan_report(1024, tmp_path)
+    assert REPORT.search(output).group(1) == line
+    assert report["parts"][0]["summary"]["idle"] == 982
+    assert sum(r["owned"] for r in report["parts"][0]["ranks"]) == 42
     # The simulated rank allocated at most its one owned matrix of the 42.
     held, total = map(int, STARTED.search(output).groups())
     assert total == 42 and held <= 1

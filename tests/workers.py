@@ -27,6 +27,7 @@ from torchtitan_dmuon import (
     set_requires_gradient_sync,
 )
 from torchtitan_dmuon.engine.comm import CollectiveCounter
+from torchtitan_dmuon.engine.report import StepCounts, plan_report
 from torchtitan_dmuon.optim.newton_schulz import newton_schulz, resolve_ns_schedule
 
 MUON_KW = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.01)
@@ -166,6 +167,8 @@ def train_dmuon(
             fully_shard(layer, **fsdp_kwargs)
         if fsdp != "blocks":
             fully_shard(model, **fsdp_kwargs)
+    # Counted before any value exists, as TorchTitan's plan report does on the meta device.
+    report = plan_report(model, StepCounts(micro_batches=accum, normuon=variant == "normuon"))
     if meta_init == "plan":
         # Materialized at the plan's size: this rank allocates only what it holds.
         source = make_model(seed=0, **(model_kwargs or {}))
@@ -255,6 +258,7 @@ def train_dmuon(
         "compute_dtypes": compute_dtypes,
         "boundaries": [b.name for b in dedication.plan.boundaries],
         "step_failure": step_failure,
+        "report": [r.as_dict() for r in report.ranks],
     }
     dedication.wait_replicas()  # the last step's async broadcasts, before teardown
     del opt, model

@@ -36,6 +36,7 @@ from torchtitan.train import Trainer, main
 
 from torchtitan_dmuon.engine import get_dedication
 from torchtitan_dmuon.engine.comm import is_fake
+from torchtitan_dmuon.engine.report import plan_report
 from torchtitan_dmuon.titan import register
 from torchtitan_dmuon.titan.checkpoint import (
     DMuonModelWrapper,
@@ -45,6 +46,7 @@ from torchtitan_dmuon.titan.checkpoint import (
 from torchtitan_dmuon.titan.cpu import enable_cpu_support
 from torchtitan_dmuon.titan.parallelize import DMUON
 from torchtitan_dmuon.titan.patches import PatchRegistry
+from torchtitan_dmuon.titan.plan_report import step_counts
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +87,16 @@ class DMuonTrainer(Trainer):
             return
         # None for a part with one data-parallel rank (plain Muon + AdamW).
         self.dedications = [d for d in map(get_dedication, self.model_parts) if d is not None]
+        counts = step_counts(job_config, self.parallel_dims)
+        for index, part in enumerate(self.model_parts):
+            dedication = get_dedication(part)
+            if dedication is not None:  # the plan report's figures, for this rank
+                rank = dedication.replicate_rank * dedication.shard_size + dedication.shard_rank
+                logger.info(
+                    "dmuon: plan report of model part %d: %s",
+                    index,
+                    plan_report(part, counts).line(rank),
+                )
         self.checkpointer.states[MODEL] = DMuonModelWrapper(self.model_parts)
         dcp_load = self.checkpointer.dcp_load
 
