@@ -22,6 +22,8 @@ for annotations).
   the NS workload);
 * ``meta_init.py``: a meta model materialized and initialized at the size of its plan
   (a rank allocates only the dedicated matrices it holds);
+* ``report.py``: what a dedication costs each data-parallel rank, counted from its plan and
+  FSDP2's groups before any step (the plan report);
 * ``verification.py``: the cross-rank verdicts (what each rank dedicates, the plan);
 * ``owned.py``: ``OwnedMatrices``, what ``Muon`` steps on a dedicated model (the owners'
   matrices, every failure agreed by all ranks, the gather the Newton-Schulz choice agrees
