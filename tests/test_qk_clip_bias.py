@@ -2,16 +2,23 @@
 ``q = W_q x + b_q``, so the bias entries of a head's rows take the rows' factor, after the
 biases' AdamW update. The math on bias shards that start inside a head; one process: the
 next step's largest logit is at most the threshold, where scaling only the weights leaves
-it above; FSDP2 Z3 on 2 gloo ranks against a one-process reference written here from the
-definition (weights and biases after torch.optim.Muon and AdamW, then the clip)."""
+it above; FSDP2 Z3 and TP on 2 gloo ranks against a one-process reference written here
+from the definition (weights and biases after torch.optim.Muon and AdamW, then the
+clip); a bias whose entries a rank cannot place among its heads is refused."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
 
 from tests.dist import run_distributed
 from tests.models import BiasHeadsBlock, batch, loss_fn, make_model, proj_predicate
@@ -34,9 +41,9 @@ WEIGHTS = [f"layers.{i}.{p}_proj.weight" for i in range(LAYERS) for p in ("q", "
 BIASES = [f"layers.{i}.{p}_proj.bias" for i in range(LAYERS) for p in ("q", "k")]
 
 
-def attentions(layers: int = LAYERS, biases: bool = True) -> list[ClippedAttention]:
-    """The biased model's attention layers; ``biases=False``: the biases left out (the clip
-    before biases were supported: weights only)."""
+def attentions(layers: int = LAYERS, biases: bool = True, tp: int = 1) -> list[ClippedAttention]:
+    """The biased model's attention layers (``tp``: their TP degree); ``biases=False``:
+    the biases left out (the clip before biases were supported: weights only)."""
 
     def rows(i: int, p: str, role: str) -> HeadRows:
         bias = f"layers.{i}.{p}_proj.bias" if biases else None
@@ -44,7 +51,9 @@ def attentions(layers: int = LAYERS, biases: bool = True) -> list[ClippedAttenti
 
     return [
         ClippedAttention(
-            f"layers.{i}.attend", QUERY_HEADS, (rows(i, "q", "query"), rows(i, "k", "key"))
+            f"layers.{i}.attend",
+            QUERY_HEADS // tp,
+            (rows(i, "q", "query"), rows(i, "k", "key")),
         )
         for i in range(layers)
     ]
@@ -244,52 +253,88 @@ def test_one_process_equals_reference():
     )
 
 
-def _worker(rank, world):
-    """FSDP2 + DMuon Z3: the biases are DTensors sharded along dim 0, each rank clips the
-    entries it holds; each rank its part of the batch."""
+def _parallel_model(layout: str, world: int):
+    """The biased model on ``world`` ranks: ``"z3"``: FSDP2 + DMuon Z3 (the biases
+    sharded along dim 0 over the ranks); ``"tp"``: TP over the ``world`` ranks (q, k, v
+    Colwise: each bias's entries of the rank's heads; o Rowwise); ``"tp_whole_bias"``:
+    the same with q's bias replicated, so a rank holds entries of heads it does not clip.
+    Returns the model and its TP degree."""
     torch.manual_seed(0)
     model = biased_model()
-    mesh = init_device_mesh("cpu", (world,))
-    dedicate_params(model, mesh, proj_predicate, reshard_after_forward=True)
+    if layout == "z3":
+        mesh = init_device_mesh("cpu", (world,))
+        dedicate_params(model, mesh, proj_predicate, reshard_after_forward=True)
+        for block in model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model, 1
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
+    plan = {"q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(),
+            "v_proj": ColwiseParallel(), "o_proj": RowwiseParallel()}  # fmt: skip
     for block in model.layers:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    sharded = [n for n in BIASES if isinstance(model.get_parameter(n), DTensor)]
-    clip = QKClip(model, attentions(), THRESHOLD, ALPHA)
-    opt = Muon(model, ns_dtype=torch.float32, qk_clip=clip, **MUON_KW,
-               **as_muon_adamw_kwargs(ADAMW_KW))  # fmt: skip
-    values, clipped, per = [], [], 2
-    for step in range(STEPS):
-        inputs, targets = batch(100 + step, per * world)
-        opt.zero_grad()
-        mine = slice(rank * per, (rank + 1) * per)
-        loss_fn(model, inputs[mine], targets[mine]).backward()
-        opt.step()
-        clipped.append(int(clip.clipped_heads))
-        step_values = {n: get_full_param(model, n) for n in WEIGHTS}
-        step_values.update({n: model.get_parameter(n).full_tensor() for n in sharded})
-        values.append(step_values)
-    return {"values": values, "clipped": clipped, "sharded": sharded}
+        parallelize_module(block, mesh["tp"], plan)
+        block.k_proj.bias.requires_grad_(False)  # distributing it made it trainable
+        if layout == "tp_whole_bias":
+            whole = block.q_proj.bias.detach().full_tensor()
+            block.q_proj.bias = nn.Parameter(distribute_tensor(whole, mesh["tp"], [Replicate()]))
+    dedicate_params(model, mesh["dp"], proj_predicate)
+    return model, world
 
 
-def test_fsdp_z3_equals_one_process():
-    """FSDP2 Z3 on 2 ranks (each bias sharded, half its heads a rank): after each of 4
-    steps the q/k weights and biases on every rank equal the one-process reference on the
-    whole batch (rtol 1e-5), and so do the clipped counts."""
-    by_rank = run_distributed(_worker, 2, timeout=240)
+def _worker(rank, world, layouts):
+    """Each layout of :func:`_parallel_model`: the q/k weights and biases after each step
+    and the clipped counts; each data-parallel rank its part of the batch. A refused
+    layout: its error."""
+    runs = {}
+    for layout in layouts:
+        model, tp = _parallel_model(layout, world)
+        sharded = [n for n in BIASES if isinstance(model.get_parameter(n), DTensor)]
+        clip = QKClip(model, attentions(tp=tp), THRESHOLD, ALPHA)
+        try:
+            opt = Muon(model, ns_dtype=torch.float32, qk_clip=clip, **MUON_KW,
+                       **as_muon_adamw_kwargs(ADAMW_KW))  # fmt: skip
+        except ValueError as e:
+            runs[layout] = {"error": str(e)}
+            continue
+        dp, dp_world = (rank, world) if tp == 1 else (0, 1)
+        values, clipped, per = [], [], 4 // dp_world
+        for step in range(STEPS):
+            inputs, targets = batch(100 + step, 4)
+            opt.zero_grad()
+            mine = slice(dp * per, (dp + 1) * per)
+            loss_fn(model, inputs[mine], targets[mine]).backward()
+            opt.step()
+            clipped.append(int(clip.clipped_heads))
+            step_values = {n: get_full_param(model, n) for n in WEIGHTS}
+            step_values.update({n: model.get_parameter(n).full_tensor() for n in sharded})
+            values.append(step_values)
+        runs[layout] = {"values": values, "clipped": clipped, "sharded": sharded}
+        del opt, model
+    return runs
+
+
+def test_fsdp_z3_and_tp_equal_one_process():
+    """On 2 ranks, FSDP2 Z3 (each bias sharded, half its heads a rank) and TP 2 (each
+    rank its heads' rows and bias entries): after each of 4 steps the q/k weights and
+    biases on every rank equal the one-process reference on the whole batch (rtol 1e-5),
+    and so do the clipped counts. A q bias replicated over TP while its rows are split
+    is refused on every rank, naming it, before the first step."""
+    by_rank = run_distributed(_worker, 2, ["z3", "tp", "tp_whole_bias"], timeout=240)
     expected = reference(4)
-    for rank, run in enumerate(by_rank):
-        assert run["sharded"] == BIASES
-        _assert_equal(run["values"], expected, f"rank {rank}")
-        assert run["clipped"] == expected["clipped"]
+    for rank, runs in enumerate(by_rank):
+        for layout in ("z3", "tp"):
+            run = runs[layout]
+            assert run["sharded"] == BIASES
+            _assert_equal(run["values"], expected, f"{layout} rank {rank}")
+            assert run["clipped"] == expected["clipped"]
+        assert "layers.0.q_proj.bias (" in runs["tp_whole_bias"]["error"]
+        assert "clip factors are not known here" in runs["tp_whole_bias"]["error"]
 
 
 def test_titan_attention_with_biases_names_them():
     """TorchTitan's llama3 with biases on wq, wk and wv (Qwen2.5's layout): each head's
     wq and wk rows come with their bias (wv's, outside the logit, is left alone); without
     biases none is named."""
-    from torch import nn
-
     from tests.test_qk_clip import _layout, _titan_model
     from torchtitan_dmuon.titan.config import DMuon
     from torchtitan_dmuon.titan.qk_clip import build_qk_clip
