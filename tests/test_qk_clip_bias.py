@@ -331,6 +331,42 @@ def test_fsdp_z3_and_tp_equal_one_process():
         assert "clip factors are not known here" in runs["tp_whole_bias"]["error"]
 
 
+def _rows_worker(rank, world):
+    """A Colwise linear with a bias on TP 2, then FSDP2 over DP 2 (TorchTitan's 2-D
+    layout: the bias's shard strided over TP): where its entries on this rank lie."""
+    from torchtitan_dmuon.optimizer import _bias_entries, _rows_here
+
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    linear = nn.Linear(4, 32)
+    whole = linear.bias.detach().clone()
+    parallelize_module(linear, mesh["tp"], ColwiseParallel())
+    weight = linear.weight  # TP rows only, as a dedicated matrix keeps them
+    fully_shard(linear, mesh=mesh["dp"])
+    rows = HeadRows("w", 8, ((0, 8, "query"),), "b")
+    index = _bias_entries(weight, linear.bias, rows, 16)
+    return {
+        "placements": str(linear.bias.placements),
+        "here": _rows_here(linear.bias).tolist(),
+        "local": linear.bias.to_local().detach().clone(),
+        "whole": whole,
+        "index": index.tolist(),
+    }
+
+
+def test_bias_entries_located_under_fsdp_over_tp():
+    """FSDP2 over TP (4 ranks, DP 2 x TP 2): each rank's bias entries are the whole
+    bias's at the indices found, a quarter each, at their place among the TP rank's
+    rows (rank (dp, tp) holds rows 16 tp + 8 dp ..., index 8 dp ...)."""
+    by_rank = run_distributed(_rows_worker, 4, timeout=120)
+    for rank, run in enumerate(by_rank):
+        dp, tp = divmod(rank, 2)
+        assert run["placements"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
+        assert run["here"] == list(range(16 * tp + 8 * dp, 16 * tp + 8 * dp + 8))
+        torch.testing.assert_close(run["local"], run["whole"][run["here"]], rtol=0, atol=0)
+        assert run["index"] == list(range(8 * dp, 8 * dp + 8))
+
+
 def test_titan_attention_with_biases_names_them():
     """TorchTitan's llama3 with biases on wq, wk and wv (Qwen2.5's layout): each head's
     wq and wk rows come with their bias (wv's, outside the logit, is left alone); without
