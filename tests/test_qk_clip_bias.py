@@ -333,7 +333,8 @@ def test_fsdp_z3_and_tp_equal_one_process():
 
 def _rows_worker(rank, world):
     """A Colwise linear with a bias on TP 2, then FSDP2 over DP 2 (TorchTitan's 2-D
-    layout: the bias's shard strided over TP): where its entries on this rank lie."""
+    layout: the bias's shard strided over TP): where its entries on this rank lie, found
+    without reading the weight's storage."""
     from torchtitan_dmuon.optimizer import _bias_entries, _rows_here
 
     torch.manual_seed(0)
@@ -343,6 +344,7 @@ def _rows_worker(rank, world):
     parallelize_module(linear, mesh["tp"], ColwiseParallel())
     weight = linear.weight  # TP rows only, as a dedicated matrix keeps them
     fully_shard(linear, mesh=mesh["dp"])
+    weight.to_local().untyped_storage().resize_(0)  # as the engine frees an unheld matrix
     rows = HeadRows("w", 8, ((0, 8, "query"),), "b")
     index = _bias_entries(weight, linear.bias, rows, 16)
     return {

@@ -68,13 +68,15 @@ def _rows_here(tensor: torch.Tensor) -> torch.Tensor:
     """The indices along dim 0 of the rows (a 1-D tensor's entries) this rank holds of
     ``tensor``: all of a plain tensor; a DTensor's as its placements split dim 0 (FSDP2's
     ``Shard(0)``, strided over tensor parallelism or not, TP's ``Shard(0)``), whatever the
-    order, by distributing the indices themselves (no communication)."""
-    rows = torch.arange(tensor.shape[0], device=tensor.device)
+    order, by distributing the indices themselves (no communication). On the CPU, from
+    the shape and placements only: an unheld matrix's storage is freed."""
     if not isinstance(tensor, DTensor):
-        return rows
+        return torch.arange(tensor.shape[0])
+    mesh = tensor.device_mesh
+    rows = torch.arange(tensor.shape[0], device=mesh.device_type)
     # Only what splits dim 0 moves rows; a split of the columns leaves each row here.
     placements = [p if getattr(p, "dim", None) == 0 else Replicate() for p in tensor.placements]
-    return distribute_tensor(rows, tensor.device_mesh, placements, src_data_rank=None).to_local()
+    return distribute_tensor(rows, mesh, placements, src_data_rank=None).to_local().cpu()
 
 
 def _bias_entries(
@@ -96,7 +98,7 @@ def _bias_entries(
     weight_rows = _rows_here(weight)
     start = int(weight_rows[0]) if weight_rows.numel() else 0
     if weight_rows.numel() != local_rows or not torch.equal(
-        weight_rows, torch.arange(start, start + local_rows, device=weight_rows.device)
+        weight_rows, torch.arange(start, start + local_rows)
     ):
         raise ValueError(
             f"qk_clip: {rows.name} ({getattr(weight, 'placements', 'plain')}) does not hold "
@@ -111,7 +113,7 @@ def _bias_entries(
             f"({getattr(weight, 'placements', 'plain')}) whose heads' maxima this rank "
             "reduces: their clip factors are not known here; shard the bias like its rows"
         )
-    return index
+    return index.to(bias.device)
 
 
 class Muon(torch.optim.Optimizer):
