@@ -156,6 +156,23 @@ class HeadsBlock(Block):
         return x + self.down_proj(torch.relu(self.up_proj(self.norm(x))))
 
 
+class BiasHeadsBlock(HeadsBlock):
+    """:class:`HeadsBlock` with biases on the query and key projections (Qwen2.5's layout),
+    large enough that they make most of the logits: a clip that scaled only the weights'
+    rows would leave them above the threshold. The key bias is frozen: its gradient is zero
+    in exact arithmetic (softmax ignores what adds ``q_i . b_k`` to every logit of query
+    ``i``), so AdamW would step rounding noise, which differs between equal runs."""
+
+    bias_scale = 3.0
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__(dim, hidden)
+        self.q_proj.bias = nn.Parameter(self.bias_scale * torch.randn(dim))
+        self.k_proj.bias = nn.Parameter(
+            self.bias_scale * torch.randn(dim // 2), requires_grad=False
+        )
+
+
 class TinyTransformer(nn.Module):
     def __init__(
         self, vocab: int = 64, dim: int = 32, hidden: int = 64, layers: int = 2, block=Block

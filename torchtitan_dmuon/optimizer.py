@@ -21,7 +21,7 @@ import logging
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.profiler import record_function
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
@@ -32,7 +32,7 @@ from torchtitan_dmuon.optim.config import AdamWConfig, MuonConfig
 from torchtitan_dmuon.optim.matrices import LocalMatrices, MatrixSet
 from torchtitan_dmuon.optim.muon import commit_group, compute_group
 from torchtitan_dmuon.optim.ns_choice import NSChoice, check_ns, choose_ns
-from torchtitan_dmuon.optim.qk_clip import QKClip
+from torchtitan_dmuon.optim.qk_clip import HeadRows, QKClip
 
 __all__ = ["Muon", "MuonStepError"]
 
@@ -64,6 +64,58 @@ def _configs(
     )
 
 
+def _rows_here(tensor: torch.Tensor) -> torch.Tensor:
+    """The indices along dim 0 of the rows (a 1-D tensor's entries) this rank holds of
+    ``tensor``: all of a plain tensor; a DTensor's as its placements split dim 0 (FSDP2's
+    ``Shard(0)``, strided over tensor parallelism or not, TP's ``Shard(0)``), whatever the
+    order, by distributing the indices themselves (no communication). On the CPU, from
+    the shape and placements only: an unheld matrix's storage is freed."""
+    if not isinstance(tensor, DTensor):
+        return torch.arange(tensor.shape[0])
+    mesh = tensor.device_mesh
+    rows = torch.arange(tensor.shape[0], device=mesh.device_type)
+    # Only what splits dim 0 moves rows; a split of the columns leaves each row here.
+    placements = [p if getattr(p, "dim", None) == 0 else Replicate() for p in tensor.placements]
+    return distribute_tensor(rows, mesh, placements, src_data_rank=None).to_local().cpu()
+
+
+def _bias_entries(
+    weight: torch.Tensor, bias: torch.Tensor, rows: HeadRows, local_rows: int
+) -> torch.Tensor | None:
+    """The row of each entry of ``bias`` this rank holds among the ``local_rows`` rows of
+    ``weight`` whose heads' factors this rank computes (None: the whole bias, in order).
+
+    Raises:
+        ValueError: Naming the bias, where its entries cannot be located among those rows.
+    """
+    if bias.shape[0] != weight.shape[0]:
+        raise ValueError(
+            f"qk_clip: {rows.bias} has {bias.shape[0]} entries, {rows.name} has "
+            f"{weight.shape[0]} rows: it is not that projection's bias"
+        )
+    if not isinstance(weight, DTensor) and not isinstance(bias, DTensor):
+        return None
+    weight_rows = _rows_here(weight)
+    start = int(weight_rows[0]) if weight_rows.numel() else 0
+    if weight_rows.numel() != local_rows or not torch.equal(
+        weight_rows, torch.arange(start, start + local_rows)
+    ):
+        raise ValueError(
+            f"qk_clip: {rows.name} ({getattr(weight, 'placements', 'plain')}) does not hold "
+            f"{local_rows} consecutive rows here, so {rows.bias}'s entries cannot be located "
+            "among its heads"
+        )
+    index = _rows_here(bias) - start
+    if index.numel() and (int(index.min()) < 0 or int(index.max()) >= local_rows):
+        raise ValueError(
+            f"qk_clip: {rows.bias} ({getattr(bias, 'placements', 'plain')}) holds entries "
+            f"here outside the rows {start}..{start + local_rows - 1} of {rows.name} "
+            f"({getattr(weight, 'placements', 'plain')}) whose heads' maxima this rank "
+            "reduces: their clip factors are not known here; shard the bias like its rows"
+        )
+    return index.to(bias.device)
+
+
 class Muon(torch.optim.Optimizer):
     """Muon for matrix parameters and AdamW for all others, on one model.
 
@@ -76,9 +128,10 @@ class Muon(torch.optim.Optimizer):
         qk_clip: QK-clip (Kimi K2's MuonClip, see :class:`~torchtitan_dmuon.QKClip`):
             after each update the query and key projections of the heads whose largest
             logit exceeded its threshold are rescaled, on their owner, before the
-            broadcast; the per-head maxima are MAX-reduced over the data-parallel ranks
-            (one collective per step, overlapping Newton-Schulz). Its weights must be Muon
-            matrices. None: off.
+            broadcast, and their biases (if any) with them after AdamW's update, by every
+            rank on the entries it holds; the per-head maxima are MAX-reduced over the
+            data-parallel ranks (one collective per step, overlapping Newton-Schulz). Its
+            weights must be Muon matrices. None: off.
         predicate: One-process selection of Muon parameters, ``predicate(name, param)``;
             defaults to every trainable 2-D parameter. Not allowed together with
             :func:`dedicate_params`, whose own predicate decides.
@@ -97,7 +150,8 @@ class Muon(torch.optim.Optimizer):
 
     Raises:
         TypeError / ValueError: A bad setting, naming it, on every rank alike before the
-            first collective.
+            first collective (a QK-clip bias whose entries cannot be located among its
+            heads: on every rank alike after one all-gather).
     """
 
     def __init__(
@@ -114,8 +168,10 @@ class Muon(torch.optim.Optimizer):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         self.config, adamw = _configs(config, adamw, settings)
         self.matrices = self._matrix_set(model, predicate)
+        self._qk_biases: dict[str, tuple[nn.Parameter, torch.Tensor | None, int]] = {}
         if qk_clip is not None:
             self._check_qk_clip(qk_clip)
+            self._qk_biases = self._locate_qk_biases(model, qk_clip)
         check_ns(self.config, self.matrices.device)
         muon_ids = {id(p) for p in self.matrices.params}
         adamw_params = [p for p in model.parameters() if p.requires_grad and id(p) not in muon_ids]
@@ -192,6 +248,38 @@ class Muon(torch.optim.Optimizer):
                 "update); select it for Muon or leave it out of the clipped attentions"
             )
         qk_clip.check_rows(self.matrices.local_rows())
+
+    def _locate_qk_biases(
+        self, model: nn.Module, qk_clip: QKClip
+    ) -> dict[str, tuple[nn.Parameter, torch.Tensor | None, int]]:
+        """Each clipped bias, the row of each of its entries here among its weight's rows
+        here (None: all, in order) and their count; a layout refused on one rank is
+        refused on every rank of the dedication alike (one small all-gather), before the
+        first step.
+
+        Raises:
+            ValueError: A bias whose entries cannot be located, naming it and why.
+        """
+        if not qk_clip.bias_rows:
+            return {}
+        local_rows = self.matrices.local_rows()
+        located, error = {}, None
+        for rows in qk_clip.bias_rows:
+            bias = model.get_parameter(rows.bias)
+            try:
+                index = _bias_entries(
+                    model.get_parameter(rows.name), bias, rows, local_rows[rows.name]
+                )
+            except ValueError as e:
+                error = error or str(e)
+                continue
+            located[rows.bias] = (bias, index, local_rows[rows.name])
+        if self.matrices.gather is not None:
+            errors = [e for e in self.matrices.gather(error) if e is not None]
+            error = errors[0] if errors else None
+        if error is not None:
+            raise ValueError(error)
+        return located
 
     def _make_adamw(
         self, adamw_params: list[nn.Parameter], adamw: AdamWConfig
@@ -303,5 +391,14 @@ class Muon(torch.optim.Optimizer):
                 self.matrices.clip_qk(self.qk_clip, qk_maxima)
         if self._adamw is not None:
             self._adamw.step()
+        if self._qk_biases:
+            # After the biases' AdamW update, as the weights' clip after Muon's.
+            with record_function("muon::qk_clip_biases"):
+                self.qk_clip.clip_biases(
+                    {
+                        name: (bias.to_local() if isinstance(bias, DTensor) else bias, i, n)
+                        for name, (bias, i, n) in self._qk_biases.items()
+                    }
+                )
         self.matrices.end_step()
         return loss

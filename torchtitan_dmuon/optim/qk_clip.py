@@ -8,7 +8,9 @@ optimizer's update::
     W_q[head h rows] *= gamma_h ** alpha
     W_k[head h rows] *= gamma_h ** (1 - alpha)
 
-so the head's next logits shrink by ``gamma_h`` (the logit is bilinear in the two).
+so the head's next logits shrink by ``gamma_h`` (the logit is bilinear in the two). A
+projection with a bias (Qwen2.5's q/k/v) computes ``q = W_q x + b_q``: the bias entries of
+a head's rows take the rows' factor, else the logit's bias terms would not shrink.
 Multi-head latent attention (DeepSeek-V3's MLA) splits a head's query and key into a
 head-specific part without RoPE (``q_nope``, ``k_nope``: scaled as above) and a RoPE part
 whose key ``k_pe`` is shared by every head: that key is left alone and the head's ``q_pe``
@@ -28,7 +30,9 @@ It raises a per-layer tensor in place, so TorchTitan's per-block ``torch.compile
 every block and microbatch. ``Muon.step`` MAX-reduces the maxima over the data-parallel
 ranks (one collective, started before Newton-Schulz and waited after it) and the owner of
 each query and key projection rescales its heads' rows after the update, in the master
-dtype, before the new values are broadcast. Maxima can also be handed in with
+dtype, before the new values are broadcast; after the AdamW step every rank scales the
+bias entries it holds (a data-parallel shard's) by the same factors, which every
+data-parallel rank computed from the same reduced maxima. Maxima can also be handed in with
 :meth:`QKClip.record` (a fused attention kernel that computes them). This module does not
 import ``torch.distributed``: the optimizer reduces the maxima over its data-parallel ranks.
 """
@@ -53,6 +57,8 @@ __all__ = [
     "clip_factors",
     "discard_records",
     "head_max_logits",
+    "head_row_factors",
+    "scale_bias_entries",
     "scale_head_rows",
 ]
 
@@ -79,11 +85,14 @@ class HeadRows:
             value rows where the weight computes both).
         parts: ``(start, stop, role)`` row ranges within a head and their role in
             :data:`ROLES`; rows in no part (MLA's value rows) are not scaled.
+        bias: The fully qualified name of the projection's bias (one entry per row,
+            scaled with its row after the bias's AdamW update), or None.
     """
 
     name: str
     rows_per_head: int
     parts: tuple[tuple[int, int, str], ...]
+    bias: str | None = None
 
     def __post_init__(self) -> None:
         for start, stop, role in self.parts:
@@ -204,6 +213,53 @@ def scale_head_rows(
         view[:, start:stop].mul_(per_head.pow(rows.exponent(role, alpha))[:, None, None])
 
 
+def head_row_factors(
+    factors: torch.Tensor, rows: HeadRows, alpha: float, local_rows: int
+) -> torch.Tensor:
+    """The factor of each of a weight's ``local_rows`` rows (those :func:`scale_head_rows`
+    scales, 1 for rows in no part), in fp32.
+
+    Args:
+        factors: :func:`clip_factors` of the query heads these rows serve (as in
+            :func:`scale_head_rows`).
+        rows: The weight's layout per head.
+        alpha: The query's share of the exponent, in ``[0, 1]``.
+        local_rows: The weight's rows the factors cover (its tensor-parallel shard's).
+    """
+    heads = rows.heads(local_rows, factors.numel())
+    per_head = factors.float().view(heads, -1).amin(dim=1)
+    out = torch.ones(heads, rows.rows_per_head, device=factors.device)
+    for start, stop, role in rows.parts:
+        out[:, start:stop] = per_head.pow(rows.exponent(role, alpha))[:, None]
+    return out.flatten()
+
+
+@torch.no_grad()
+def scale_bias_entries(
+    bias: torch.Tensor,
+    factors: torch.Tensor,
+    rows: HeadRows,
+    alpha: float,
+    local_rows: int,
+    index: torch.Tensor | None = None,
+) -> None:
+    """Scale a projection's bias entries in place by their rows' factors: the logit is
+    bilinear in ``W_q x + b_q`` and ``W_k x + b_k``, so the bias goes with its rows.
+
+    Args:
+        bias: The bias entries this rank holds (a data-parallel shard's may start and
+            end inside a head).
+        factors: :func:`clip_factors` of the query heads the weight's rows serve.
+        rows: The weight's layout per head.
+        alpha: The query's share of the exponent, in ``[0, 1]``.
+        local_rows: The weight's rows the factors cover (its tensor-parallel shard's).
+        index: The row, among those ``local_rows``, of each entry of ``bias``; None:
+            ``bias`` holds one entry per row, in order.
+    """
+    per_row = head_row_factors(factors, rows, alpha, local_rows).to(bias.device, bias.dtype)
+    bias.mul_(per_row if index is None else per_row[index.to(bias.device)])
+
+
 @dataclass(frozen=True)
 class ClippedAttention:
     """One attention layer QK-clip watches, and the weights it rescales.
@@ -215,7 +271,8 @@ class ClippedAttention:
             FlexAttention ``block_mask`` keyword or ``is_causal`` (default True).
         query_heads: The query heads that module receives on this rank (under tensor
             parallelism, this rank's share).
-        weights: The layout of its query and key projections (:class:`HeadRows`).
+        weights: The layout of its query and key projections (:class:`HeadRows`, each
+            naming its bias if it has one).
     """
 
     module: str
@@ -229,7 +286,8 @@ class QKClip:
     Args:
         model: The model (or pipeline stage) whose attention layers are watched, on the
             device it trains on (the maxima are kept there); the weights named in
-            ``attentions`` must be its Muon matrices.
+            ``attentions`` must be its Muon matrices, their biases any of its parameters
+            (the optimizer scales them after their AdamW update).
         attentions: The layers to watch and clip.
         threshold: ``tau``: heads whose largest logit exceeds it are rescaled.
         alpha: The query's share of the rescaling, in ``[0, 1]`` (Kimi K2: 0.5).
@@ -261,11 +319,19 @@ class QKClip:
         self._by_module = {a.module: a for a in self.attentions}
         self.max_logit: torch.Tensor | None = None
         self.clipped_heads: torch.Tensor | None = None
+        # The step's factors, kept from the weights' clip to the biases' (after AdamW).
+        self._factors: torch.Tensor | None = None
         params = dict(model.named_parameters())
         for attention in self.attentions:
             for rows in attention.weights:
-                if rows.name not in params:
-                    raise ValueError(f"qk_clip: {rows.name} is not a parameter of the model")
+                for name in (rows.name, rows.bias):
+                    if name is not None and name not in params:
+                        raise ValueError(f"qk_clip: {name} is not a parameter of the model")
+                if rows.bias is not None and params[rows.bias].ndim != 1:
+                    raise ValueError(
+                        f"qk_clip: {rows.bias} has {params[rows.bias].ndim} dims; the bias "
+                        f"of {rows.name} must hold one entry per row"
+                    )
         # One running maximum per layer, written in place on the device of the layer's
         # weights: the hooks then differ between layers only in which tensor they write,
         # which torch.compile takes as a graph input, so one compiled block serves every
@@ -289,6 +355,11 @@ class QKClip:
     def weight_names(self) -> list[str]:
         """The query and key weights it rescales, by name."""
         return [rows.name for a in self.attentions for rows in a.weights]
+
+    @property
+    def bias_rows(self) -> list[HeadRows]:
+        """The layouts of the query and key weights that have a bias."""
+        return [rows for a in self.attentions for rows in a.weights if rows.bias is not None]
 
     def check_rows(self, local_rows: dict[str, int]) -> None:
         """Check that each weight's rows on this rank (``local_rows`` by name: its
@@ -341,6 +412,7 @@ class QKClip:
                 tensor-parallel rows), in the master dtype.
         """
         factors = clip_factors(reduced, self.threshold)
+        self._factors = factors if self.bias_rows else None
         for attention, layer in zip(
             self.attentions, factors.split([a.query_heads for a in self.attentions]), strict=True
         ):
@@ -350,6 +422,34 @@ class QKClip:
         self.max_logit = reduced.max()
         self.clipped_heads = (reduced > self.threshold).sum()
         self.reset()
+
+    def clip_biases(
+        self, entries: dict[str, tuple[torch.Tensor, torch.Tensor | None, int]]
+    ) -> None:
+        """Rescale the biases of the weights :meth:`clip` rescaled this step, with the same
+        factors: after the biases' own (AdamW) update, as the weights after theirs.
+
+        Args:
+            entries: By bias name, every bias of :attr:`bias_rows`: the entries this rank
+                holds (in place), the row of each among its weight's rows the factors
+                cover (None: all of them, in order) and that count of rows (the weight's
+                tensor-parallel shard's).
+
+        Raises:
+            RuntimeError: :meth:`clip` has not run since the last call.
+        """
+        if self._factors is None:
+            raise RuntimeError("qk_clip: clip_biases before clip (no factors for this step)")
+        for attention, layer in zip(
+            self.attentions,
+            self._factors.split([a.query_heads for a in self.attentions]),
+            strict=True,
+        ):
+            for rows in attention.weights:
+                if rows.bias is not None:
+                    bias, index, local_rows = entries[rows.bias]
+                    scale_bias_entries(bias, layer, rows, self.alpha, local_rows, index)
+        self._factors = None
 
     def remove(self) -> None:
         """Remove the forward hooks."""

@@ -8,7 +8,8 @@ query heads). DeepSeek-V3 runs multi-head latent attention (MLA): a head's query
 ``wkv_b`` its ``k_nope`` then its value; the RoPE key ``k_pe`` (rows of ``wkv_a``) is
 shared by all heads and left alone, so ``q_pe`` takes the head's whole factor (Kimi K2's
 rule). The maxima are recorded on each attention's ``inner_attention`` wrapper, which
-receives the query and key after RoPE with the softmax scale and the mask.
+receives the query and key after RoPE with the softmax scale and the mask. A query or key
+projection with a bias (Qwen2.5's layout) has it scaled with its rows.
 """
 
 from __future__ import annotations
@@ -19,6 +20,22 @@ from torchtitan_dmuon.optim.qk_clip import ClippedAttention, HeadRows, QKClip
 from torchtitan_dmuon.titan.config import DMuon
 
 __all__ = ["build_qk_clip"]
+
+
+def _bias(module: nn.Module, projection: str) -> str | None:
+    """The name (under ``module``'s) of ``projection``'s bias, or None if it has none."""
+    linear = module.get_submodule(projection)
+    return f"{projection}.bias" if getattr(linear, "bias", None) is not None else None
+
+
+def _rows(name: str, module: nn.Module, projection: str, rows_per_head: int, parts) -> HeadRows:
+    bias = _bias(module, projection)
+    return HeadRows(
+        f"{name}.{projection}.weight",
+        rows_per_head,
+        parts,
+        f"{name}.{bias}" if bias is not None else None,
+    )
 
 
 def _attention(name: str, module: nn.Module, tp: int) -> ClippedAttention | None:
@@ -38,12 +55,14 @@ def _attention(name: str, module: nn.Module, tp: int) -> ClippedAttention | None
         nope, rope = module.qk_nope_head_dim, module.qk_rope_head_dim
         query = "wq" if module.q_lora_rank == 0 else "wq_b"
         weights = (
-            HeadRows(
-                f"{name}.{query}.weight",
+            _rows(
+                name,
+                module,
+                query,
                 nope + rope,
                 ((0, nope, "query"), (nope, nope + rope, "query_of_shared_key")),
             ),
-            HeadRows(f"{name}.wkv_b.weight", nope + module.v_head_dim, ((0, nope, "key"),)),
+            _rows(name, module, "wkv_b", nope + module.v_head_dim, ((0, nope, "key"),)),
         )
     else:
         if getattr(module, "q_norm", None) is not None:
@@ -54,8 +73,8 @@ def _attention(name: str, module: nn.Module, tp: int) -> ClippedAttention | None
             )
         head = module.head_dim
         weights = (
-            HeadRows(f"{name}.wq.weight", head, ((0, head, "query"),)),
-            HeadRows(f"{name}.wk.weight", head, ((0, head, "key"),)),
+            _rows(name, module, "wq", head, ((0, head, "query"),)),
+            _rows(name, module, "wk", head, ((0, head, "key"),)),
         )
     return ClippedAttention(f"{name}.inner_attention", module.n_heads // tp, weights)
 
