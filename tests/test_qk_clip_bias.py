@@ -335,7 +335,7 @@ def _rows_worker(rank, world):
     """A Colwise linear with a bias on TP 2, then FSDP2 over DP 2 (TorchTitan's 2-D
     layout: the bias's shard strided over TP): where its entries on this rank lie, found
     without reading the weight's storage."""
-    from torchtitan_dmuon.optimizer import _bias_entries, _rows_here
+    from torchtitan_dmuon.engine.param_layout import bias_entries, held_rows
 
     torch.manual_seed(0)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -346,10 +346,10 @@ def _rows_worker(rank, world):
     fully_shard(linear, mesh=mesh["dp"])
     weight.to_local().untyped_storage().resize_(0)  # as the engine frees an unheld matrix
     rows = HeadRows("w", 8, ((0, 8, "query"),), "b")
-    index = _bias_entries(weight, linear.bias, rows, 16)
+    index = bias_entries(weight, linear.bias, rows, 16)
     return {
         "placements": str(linear.bias.placements),
-        "here": _rows_here(linear.bias).tolist(),
+        "here": held_rows(linear.bias).tolist(),
         "local": linear.bias.to_local().detach().clone(),
         "whole": whole,
         "index": index.tolist(),

@@ -21,18 +21,19 @@ import logging
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from torchtitan_dmuon.engine import get_dedication
 from torchtitan_dmuon.engine.owned import MuonStepError, OwnedMatrices
+from torchtitan_dmuon.engine.param_layout import bias_entries
 from torchtitan_dmuon.engine.plan import Predicate, select_matrices
 from torchtitan_dmuon.optim.config import AdamWConfig, MuonConfig
 from torchtitan_dmuon.optim.matrices import LocalMatrices, MatrixSet
 from torchtitan_dmuon.optim.muon import commit_group, compute_group
 from torchtitan_dmuon.optim.ns_choice import NSChoice, check_ns, choose_ns
-from torchtitan_dmuon.optim.qk_clip import HeadRows, QKClip
+from torchtitan_dmuon.optim.qk_clip import QKClip
 
 __all__ = ["Muon", "MuonStepError"]
 
@@ -62,58 +63,6 @@ def _configs(
         MuonConfig(**{**base, **muon_keywords}),
         dataclasses.replace(adamw or AdamWConfig(), **adamw_keywords),
     )
-
-
-def _rows_here(tensor: torch.Tensor) -> torch.Tensor:
-    """The indices along dim 0 of the rows (a 1-D tensor's entries) this rank holds of
-    ``tensor``: all of a plain tensor; a DTensor's as its placements split dim 0 (FSDP2's
-    ``Shard(0)``, strided over tensor parallelism or not, TP's ``Shard(0)``), whatever the
-    order, by distributing the indices themselves (no communication). On the CPU, from
-    the shape and placements only: an unheld matrix's storage is freed."""
-    if not isinstance(tensor, DTensor):
-        return torch.arange(tensor.shape[0])
-    mesh = tensor.device_mesh
-    rows = torch.arange(tensor.shape[0], device=mesh.device_type)
-    # Only what splits dim 0 moves rows; a split of the columns leaves each row here.
-    placements = [p if getattr(p, "dim", None) == 0 else Replicate() for p in tensor.placements]
-    return distribute_tensor(rows, mesh, placements, src_data_rank=None).to_local().cpu()
-
-
-def _bias_entries(
-    weight: torch.Tensor, bias: torch.Tensor, rows: HeadRows, local_rows: int
-) -> torch.Tensor | None:
-    """The row of each entry of ``bias`` this rank holds among the ``local_rows`` rows of
-    ``weight`` whose heads' factors this rank computes (None: the whole bias, in order).
-
-    Raises:
-        ValueError: Naming the bias, where its entries cannot be located among those rows.
-    """
-    if bias.shape[0] != weight.shape[0]:
-        raise ValueError(
-            f"qk_clip: {rows.bias} has {bias.shape[0]} entries, {rows.name} has "
-            f"{weight.shape[0]} rows: it is not that projection's bias"
-        )
-    if not isinstance(weight, DTensor) and not isinstance(bias, DTensor):
-        return None
-    weight_rows = _rows_here(weight)
-    start = int(weight_rows[0]) if weight_rows.numel() else 0
-    if weight_rows.numel() != local_rows or not torch.equal(
-        weight_rows, torch.arange(start, start + local_rows)
-    ):
-        raise ValueError(
-            f"qk_clip: {rows.name} ({getattr(weight, 'placements', 'plain')}) does not hold "
-            f"{local_rows} consecutive rows here, so {rows.bias}'s entries cannot be located "
-            "among its heads"
-        )
-    index = _rows_here(bias) - start
-    if index.numel() and (int(index.min()) < 0 or int(index.max()) >= local_rows):
-        raise ValueError(
-            f"qk_clip: {rows.bias} ({getattr(bias, 'placements', 'plain')}) holds entries "
-            f"here outside the rows {start}..{start + local_rows - 1} of {rows.name} "
-            f"({getattr(weight, 'placements', 'plain')}) whose heads' maxima this rank "
-            "reduces: their clip factors are not known here; shard the bias like its rows"
-        )
-    return index.to(bias.device)
 
 
 class Muon(torch.optim.Optimizer):
@@ -267,7 +216,7 @@ class Muon(torch.optim.Optimizer):
         for rows in qk_clip.bias_rows:
             bias = model.get_parameter(rows.bias)
             try:
-                index = _bias_entries(
+                index = bias_entries(
                     model.get_parameter(rows.name), bias, rows, local_rows[rows.name]
                 )
             except ValueError as e:

@@ -44,7 +44,7 @@ from torch.distributed._shard.sharded_tensor.metadata import (
     TensorProperties,
 )
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from torchtitan_dmuon.optim.newton_schulz import matrix_count
 from torchtitan_dmuon.optim.sharded_ns import sharded_ns_method
@@ -53,11 +53,13 @@ __all__ = [
     "LayoutKind",
     "ParamLayout",
     "PieceShard",
+    "bias_entries",
     "check_orthogonal",
     "dedication_domain",
     "expert_domain_mesh",
     "expert_parallel_coordinates",
     "expert_tensor_parallel_dim",
+    "held_rows",
     "is_expert_parallel",
     "kind_of",
     "like_param",
@@ -617,3 +619,56 @@ def validate_meshes(
             "to meet in this rank only; use hsdp['shard'] and hsdp['replicate'] of one "
             "2-D mesh"
         )
+
+
+def held_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """The indices along dim 0 of the rows (a 1-D tensor's entries) this rank holds of
+    ``tensor``: all of a plain tensor; a DTensor's as its placements split dim 0 (FSDP2's
+    ``Shard(0)``, strided over tensor parallelism or not, TP's ``Shard(0)``), whatever the
+    order, by distributing the indices themselves (no communication). On the CPU, from
+    the shape and placements only: an unheld matrix's storage is freed."""
+    if not isinstance(tensor, DTensor):
+        return torch.arange(tensor.shape[0])
+    mesh = tensor.device_mesh
+    rows = torch.arange(tensor.shape[0], device=mesh.device_type)
+    # Only what splits dim 0 moves rows; a split of the columns leaves each row here.
+    placements = [p if getattr(p, "dim", None) == 0 else Replicate() for p in tensor.placements]
+    return distribute_tensor(rows, mesh, placements, src_data_rank=None).to_local().cpu()
+
+
+def bias_entries(
+    weight: torch.Tensor, bias: torch.Tensor, rows, local_rows: int
+) -> torch.Tensor | None:
+    """The row of each entry of ``bias`` this rank holds among the ``local_rows`` rows of
+    ``weight`` whose heads' factors this rank computes (None: the whole bias, in order);
+    ``rows`` is QK-clip's ``HeadRows`` of the projection (its ``name`` and ``bias``).
+
+    Raises:
+        ValueError: Naming the bias, where its entries cannot be located among those rows.
+    """
+    if bias.shape[0] != weight.shape[0]:
+        raise ValueError(
+            f"qk_clip: {rows.bias} has {bias.shape[0]} entries, {rows.name} has "
+            f"{weight.shape[0]} rows: it is not that projection's bias"
+        )
+    if not isinstance(weight, DTensor) and not isinstance(bias, DTensor):
+        return None
+    weight_rows = held_rows(weight)
+    start = int(weight_rows[0]) if weight_rows.numel() else 0
+    if weight_rows.numel() != local_rows or not torch.equal(
+        weight_rows, torch.arange(start, start + local_rows)
+    ):
+        raise ValueError(
+            f"qk_clip: {rows.name} ({getattr(weight, 'placements', 'plain')}) does not hold "
+            f"{local_rows} consecutive rows here, so {rows.bias}'s entries cannot be located "
+            "among its heads"
+        )
+    index = held_rows(bias) - start
+    if index.numel() and (int(index.min()) < 0 or int(index.max()) >= local_rows):
+        raise ValueError(
+            f"qk_clip: {rows.bias} ({getattr(bias, 'placements', 'plain')}) holds entries "
+            f"here outside the rows {start}..{start + local_rows - 1} of {rows.name} "
+            f"({getattr(weight, 'placements', 'plain')}) whose heads' maxima this rank "
+            "reduces: their clip factors are not known here; shard the bias like its rows"
+        )
+    return index.to(bias.device)
