@@ -4,9 +4,11 @@
 
 Builds TorchTitan's llama3 8B and 70B on the meta device (no memory, no process group),
 selects what DMuon selects by default (each block's attention and feed-forward matrices)
-and plans their owners with the engine's own planner (``build_plan``: one owner per
-matrix, LPT by Newton-Schulz FLOPs, one unit per boundary and owner) for FSDP (1 x N)
-and HSDP (N/8 replicas x 8 ranks, one node of 8 GPUs per replica), N = 8 ... 1024.
+and plans their owners with the engine's own planner for FSDP (1 x N) and HSDP (N/8
+replicas x 8 ranks, one node of 8 GPUs per replica), N = 8 ... 1024, twice: one owner
+per matrix (``build_plan`` with ``group_size=1``: LPT by Newton-Schulz FLOPs, one unit
+per boundary and owner) and the planner's own choice (``plan_with_groups``: owner groups
+of the smallest size that balances the plan, what ``dedicate_params`` does by default).
 
 Per layout it reports, over the data-parallel ranks: the max/mean Newton-Schulz FLOPs
 (``ns_flops``), how many ranks own nothing, the max/mean bytes held between steps for
@@ -30,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_moe_balance import build_meta_model  # noqa: E402
 
-from torchtitan_dmuon.engine.plan import build_plan, max_over_mean  # noqa: E402
+from torchtitan_dmuon.engine.plan import build_plan, max_over_mean, plan_with_groups  # noqa: E402
 from torchtitan_dmuon.titan.config import MODEL_SELECTIONS  # noqa: E402
 
 MODELS = [("llama3", "8B"), ("llama3", "70B")]
@@ -50,23 +52,30 @@ def plan_rows(name: str, flavor: str, ranks: list[int], value_bytes: int, state_
         for layout, replicate in (("FSDP", 1), ("HSDP", max(1, n // GPUS_PER_NODE))):
             if layout == "HSDP" and replicate == 1:
                 continue
-            plan = build_plan(
-                model, selected, shard_size=n // replicate, replicate_size=replicate,
-                hook_boundary_predicate=None,
-            )  # fmt: skip
-            ns = plan.ns_loads()
-            held = plan.held_bytes(value_bytes, state_bytes)
-            yield dict(
-                model=f"{name} {flavor}",
-                layout=f"{layout} {replicate}x{n // replicate}",
-                ranks=n,
-                matrices=len(selected),
-                ns_max_over_mean=max_over_mean(ns),
-                idle_ranks=sum(load == 0 for load in ns),
-                held_max_over_mean=max_over_mean(held),
-                held_max_gib=max(held) / 2**30,
-                ns_max_tflop=max(ns) * 5 / 1e12,  # multiply-adds, 5 NS steps a step
-            )
+            shard = n // replicate
+
+            def build(size, shard=shard, replicate=replicate):
+                return build_plan(
+                    model, selected, shard_size=shard, replicate_size=replicate,
+                    hook_boundary_predicate=None, group_size=size,
+                )  # fmt: skip
+
+            for owners, plan in (("one", build(1)), ("planner", plan_with_groups(build, shard))):
+                ns = plan.ns_loads()
+                held = plan.held_bytes(value_bytes, state_bytes)
+                yield dict(
+                    model=f"{name} {flavor}",
+                    layout=f"{layout} {replicate}x{shard}",
+                    owners=owners,
+                    group_size=plan.group_size,
+                    ranks=n,
+                    matrices=len(selected),
+                    ns_max_over_mean=max_over_mean(ns),
+                    idle_ranks=sum(load == 0 for load in ns),
+                    held_max_over_mean=max_over_mean(held),
+                    held_max_gib=max(held) / 2**30,
+                    ns_max_tflop=max(ns) * 5 / 1e12,  # multiply-adds, 5 NS steps a step
+                )
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -76,14 +85,20 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    series = sorted({(r["model"], r["layout"].split()[0]) for r in rows})
-    for model, layout in series:
-        mine = [r for r in rows if r["model"] == model and r["layout"].startswith(layout)]
+    series = sorted({(r["model"], r["layout"].split()[0], r["owners"]) for r in rows})
+    for model, layout, owners in series:
+        mine = [
+            r
+            for r in rows
+            if r["model"] == model and r["layout"].startswith(layout) and r["owners"] == owners
+        ]
         x = [r["ranks"] for r in mine]
+        style = "--" if owners == "one" else "-"
         for ax, key in zip(
             axes, ("ns_max_over_mean", "held_max_over_mean", "idle_ranks"), strict=True
         ):
-            ax.plot(x, [r[key] for r in mine], marker="o", label=f"{model} {layout}")
+            label = f"{model} {layout}, " + ("one owner" if owners == "one" else "planner")
+            ax.plot(x, [r[key] for r in mine], style, marker="o", label=label)
     for ax, title in zip(
         axes,
         ("Newton-Schulz FLOPs, max/mean", "held bytes, max/mean", "ranks owning nothing"),
@@ -111,13 +126,15 @@ def main() -> None:
     ]
     print(f"plan only (no step runs); torch {torch.__version__}")
     print(
-        "| model | layout | ranks | matrices | NS max/mean | ranks owning nothing | "
-        "held max/mean | busiest rank held GiB | busiest rank NS, 10^12 multiply-adds/step |"
+        "| model | layout | owners | group size | ranks | matrices | NS max/mean | "
+        "ranks owning nothing | held max/mean | busiest rank held GiB | "
+        "busiest rank NS, 10^12 multiply-adds/step |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['model']} | {r['layout']} | {r['ranks']} | {r['matrices']} | "
+            f"| {r['model']} | {r['layout']} | {r['owners']} | {r['group_size']} | "
+            f"{r['ranks']} | {r['matrices']} | "
             f"{r['ns_max_over_mean']:.2f} | {r['idle_ranks']} | {r['held_max_over_mean']:.2f} | "
             f"{r['held_max_gib']:.2f} | {r['ns_max_tflop']:.2f} |"
         )

@@ -137,7 +137,10 @@ def only_two(name, p):
 
 
 def test_rank_that_owns_nothing_still_trains():
-    config = dict(fsdp=True, z3=True, ns_dtype=torch.float32, steps=3, predicate=only_two)
+    # One owner per matrix (the planner would give the two matrices groups of 2).
+    config = dict(
+        fsdp=True, z3=True, ns_dtype=torch.float32, steps=3, predicate=only_two, owner_group_size=1
+    )
     by_rank = run_distributed(train_configs, 4, [config])
     reference = train_reference(4, steps=3, ns_dtype=torch.float32, predicate=only_two)
     owned = [r[0]["owned"] for r in by_rank]

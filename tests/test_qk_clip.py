@@ -280,7 +280,9 @@ def test_invalid_settings_name_the_argument():
 
 def _worker(rank, world, layouts, threshold=THRESHOLD):
     """One run per layout ("z3": FSDP2 + DMuon Z3; "hsdp": 2 replicas x 2 shards; "tp":
-    TP 2 x DP 2, DDP-style data parallelism), each rank its part of the batch."""
+    TP 2 x DP 2, DDP-style data parallelism; "groups": Z3 with owner groups of 2, whose
+    members each clip their block's columns of the heads' rows), each rank its part of
+    the batch."""
     runs = []
     for layout in layouts:
         torch.manual_seed(0)
@@ -304,7 +306,8 @@ def _worker(rank, world, layouts, threshold=THRESHOLD):
                 fsdp_mesh = mesh = init_device_mesh("cpu", (world,))
                 replicate = None
             dedicate_params(model, mesh, proj_predicate, replicate_mesh=replicate,
-                            reshard_after_forward=True)  # fmt: skip
+                            reshard_after_forward=True,
+                            owner_group_size=2 if layout == "groups" else 1)  # fmt: skip
             for block in model.layers:
                 fully_shard(block, mesh=fsdp_mesh)
             fully_shard(model, mesh=fsdp_mesh)
@@ -348,11 +351,12 @@ def _assert_equal_to_reference(run, expected):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_dedicated_layouts_equal_one_process(world):
-    """FSDP2 Z3 on 2 and 4 ranks, and on 4 HSDP (2 x 2) and TP 2 x DP 2: after each of 6
+    """FSDP2 Z3 on 2 and 4 ranks, and on 4 HSDP (2 x 2), TP 2 x DP 2 and owner groups of
+    2: after each of 6
     steps the q/k weights equal the one-process reference on the whole batch (rtol 1e-5),
     and so does every rank's logged maximum (under TP, over both TP ranks' heads); the
     losses too; one MAX all-reduce of the maxima per step and data-parallel group."""
-    layouts = ["z3"] if world == 2 else ["z3", "hsdp", "tp"]
+    layouts = ["z3"] if world == 2 else ["z3", "hsdp", "tp", "groups"]
     by_rank = run_distributed(_worker, world, layouts, timeout=300)
     expected = {dp: reference(2 * dp, THRESHOLD) for dp in {world, world // 2}}
     for runs in by_rank:

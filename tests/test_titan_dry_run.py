@@ -72,12 +72,15 @@ def test_dry_run_from_8_to_1024_ranks(tmp_path):
     assert REPORT.search(first[2]).group(1) == line
     assert report["parts"][0]["summary"]["idle"] == 0 and len(report["parts"][0]["ranks"]) == 8
     plan, _, output = dry_run(1024, tmp_path)
-    assert plan == (42, 42, 6, 42, 1, 1024)
-    assert "982 of 1024 ranks run no Newton-Schulz" in output
+    # The planner's owner groups: 16 ranks a matrix, each a block (42 x 16 units); the 42
+    # matrices fill 42 of the 64 groups.
+    assert plan == (42, 42, 6, 42 * 16, 1, 1024)
+    assert "Z3, owner groups of 16" in output
+    assert "352 of 1024 ranks run no Newton-Schulz" in output
     line, report = plan_report(1024, tmp_path)
     assert REPORT.search(output).group(1) == line
-    assert report["parts"][0]["summary"]["idle"] == 982
-    assert sum(r["owned"] for r in report["parts"][0]["ranks"]) == 42
+    assert report["parts"][0]["summary"]["idle"] == 352
+    assert sum(r["owned"] for r in report["parts"][0]["ranks"]) == 42 * 16
     # The simulated rank allocated at most its one owned matrix of the 42.
     held, total = map(int, STARTED.search(output).groups())
     assert total == 42 and held <= 1

@@ -104,6 +104,7 @@ def train_dmuon(
     fail_step_at=None,
     ep=1,
     variant="muon",
+    owner_group_size=None,
 ):
     """Train the tiny transformer with DMuon; return losses, full params and counters.
 
@@ -121,7 +122,8 @@ def train_dmuon(
     second Newton-Schulz call (then retried), reported as ``"step_failure"``.
     ``ep`` > 1 shards the ExpertBlocks' stacks over an ``ep`` mesh (TorchTitan's sparse
     layout: replicate x efsdp x ep, ep innermost) and dedicates them over ``efsdp``.
-    ``variant``: Muon's (``"normuon"``: NorMuon).
+    ``variant``: Muon's (``"normuon"``: NorMuon). ``owner_group_size``: ``dedicate_params``'s
+    (None: the planner's choice).
     """
     if hsdp_shape is None:
         mesh = fsdp_mesh = init_device_mesh("cpu", (world,))
@@ -156,6 +158,7 @@ def train_dmuon(
         reshard_after_forward=z3,
         hook_boundary_predicate=hook_boundary_predicate,
         expert_mesh=expert_mesh,
+        owner_group_size=owner_group_size,
     )
     if skewed_prefetch:
         dedication.exchange.replicas_landed = lambda units: rank % 2 == 1
@@ -168,7 +171,9 @@ def train_dmuon(
         if fsdp != "blocks":
             fully_shard(model, **fsdp_kwargs)
     # Counted before any value exists, as TorchTitan's plan report does on the meta device.
-    report = plan_report(model, StepCounts(micro_batches=accum, normuon=variant == "normuon"))
+    ns_bytes = ns_dtype.itemsize if isinstance(ns_dtype, torch.dtype) else 2
+    counts = StepCounts(micro_batches=accum, normuon=variant == "normuon", ns_bytes=ns_bytes)
+    report = plan_report(model, counts)
     if meta_init == "plan":
         # Materialized at the plan's size: this rank allocates only what it holds.
         source = make_model(seed=0, **(model_kwargs or {}))
@@ -234,9 +239,12 @@ def train_dmuon(
         "params": full_params(model, names),
         "ns_matrices": opt.ns_matrices,
         # A piece of a split stack as "name[start:stop]" (experts of the whole stack).
+        # An owner group's block as "name#index/count".
         "owned": sorted(
             d.name
             if not d.layout.is_piece
+            else f"{d.name}#{d.layout.block[0]}/{d.layout.block[1]}"
+            if d.layout.block is not None
             else f"{d.name}[{d.layout.global_experts[0]}:{d.layout.global_experts[1]}]"
             for u in dedication.units
             if u.primary

@@ -196,6 +196,13 @@ class Muon(torch.optim.Optimizer):
                 "rescales the query and key projections on their owner after Muon's "
                 "update); select it for Muon or leave it out of the clipped attentions"
             )
+        blocked = sorted(set(qk_clip.weight_names) & self.matrices.row_blocked())
+        if blocked:
+            raise ValueError(
+                f"qk_clip: {blocked[0]} has more rows than columns and is owned by an owner "
+                "group in blocks of its rows, whose heads QK-clip cannot place yet; pass "
+                "owner_group_size=1 to dedicate_params ([dmuon] owner_group_size = 1)"
+            )
         qk_clip.check_rows(self.matrices.local_rows())
 
     def _locate_qk_biases(

@@ -29,6 +29,7 @@ the values; the schedule's gradient scaling reaches the owners' reduced gradient
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 
 import torch
@@ -57,6 +58,7 @@ from torchtitan_dmuon.engine.plan import (
     BoundaryPredicate,
     Predicate,
     build_plan,
+    plan_with_groups,
     select_matrices,
 )
 from torchtitan_dmuon.engine.verification import (
@@ -83,7 +85,10 @@ def get_full_param(model: nn.Module, name: str) -> torch.Tensor:
     the same order."""
     dedication = dedication_of(model)
     found = [(u, d) for u in dedication.units for d in u.params if d.name == name]
-    found.sort(key=lambda entry: entry[1].layout.experts or (0, 0))  # a split stack's pieces
+    # A split stack's pieces, an owner group's blocks: in order.
+    found.sort(
+        key=lambda entry: (entry[1].layout.experts or (0, 0), entry[1].layout.block or (0, 0))
+    )
     if not found:
         raise KeyError(f"{name!r} is not a dedicated parameter")
     # Before the first forward only the owner column has the values.
@@ -91,7 +96,7 @@ def get_full_param(model: nn.Module, name: str) -> torch.Tensor:
     # A split stack: its pieces in expert order, each from its owner (the same order
     # on every rank, so the broadcasts match).
     pieces = [_read_entry(dedication, unit, d) for unit, d in found]
-    value = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    value = pieces[0] if len(pieces) == 1 else torch.cat(pieces, found[0][1].layout.block_dim or 0)
     return found[0][1].layout.all_experts(value, found[0][1].param)
 
 
@@ -158,6 +163,7 @@ def dedicate_params(
     replicate_async: bool = False,
     gradient_divide_factor: float | None = None,
     expert_mesh: DeviceMesh | None = None,
+    owner_group_size: int | None = None,
 ) -> Dedication:
     """Give every matrix parameter selected by ``predicate`` one owner rank.
 
@@ -186,6 +192,11 @@ def dedicate_params(
             over it (and ``replicate_mesh``), their gradients reduced over it only.
             Stacks split over the tensor-parallel ranks alone (TorchTitan's TP of
             routed experts without expert parallelism) default it to ``mesh``.
+        owner_group_size: Ranks that own each plain dense matrix together, each a block
+            of it along its long side, running its Newton-Schulz together (it must divide
+            the shard size); 1: one owner per matrix; None (the default): the size whose
+            busiest rank has the least Newton-Schulz work (``plan.plan_with_groups``): 1
+            wherever one owner per matrix is balanced, and under tensor parallelism.
 
     Returns:
         The :class:`Dedication` (also reachable through :func:`get_dedication`).
@@ -207,7 +218,14 @@ def dedicate_params(
         raise RuntimeError("dedicate_params was already applied to this model")
     if replicate_async and replicate_mesh is None:
         raise ValueError("replicate_async=True needs replicate_mesh (HSDP)")
-    settings = DedicationSettings(reshard_after_forward, replicate_async, gradient_divide_factor)
+    settings = DedicationSettings(
+        reshard_after_forward, replicate_async, gradient_divide_factor, owner_group_size
+    )
+    if owner_group_size is not None and mesh.size() % owner_group_size != 0:
+        raise ValueError(
+            f"owner_group_size {owner_group_size} does not divide the shard mesh's "
+            f"{mesh.size()} ranks"
+        )
     # The checks that depend on what this rank selected: their verdict is agreed with every
     # rank of the dedication before anything rank-dependent runs (engine/verification.py).
     selected, tp_mesh, error = [], None, None
@@ -217,6 +235,11 @@ def dedicate_params(
             raise ValueError("predicate selected no trainable 2-D or 3-D parameter")
         tp_mesh = tensor_parallel_mesh(selected)
         check_orthogonal(mesh, tp_mesh)
+        if tp_mesh is not None and (owner_group_size or 1) > 1:
+            raise ValueError(
+                f"owner_group_size {owner_group_size}: owner groups take plain matrices; "
+                "under tensor parallelism the TP ranks already share each matrix"
+            )
         expert_mesh = expert_domain_mesh(selected, mesh, expert_mesh, tp_mesh)
     except (ValueError, TypeError) as e:
         error = str(e)
@@ -237,7 +260,8 @@ def dedicate_params(
         device = mesh_device(mesh)
         rows = all_gather_rows([expert_mesh.get_local_rank()], mesh.get_group(), device)
         expert_columns = [row[0] for row in rows]
-    plan = build_plan(
+    build = functools.partial(
+        build_plan,
         model,
         selected,
         shard_size=mesh.size(),
@@ -246,10 +270,14 @@ def dedicate_params(
         expert_shard_size=expert_mesh.size() if expert_columns is not None else None,
         expert_columns=expert_columns,
     )
+    if owner_group_size is None and tp_mesh is None:
+        plan = plan_with_groups(lambda size: build(group_size=size), mesh.size())
+    else:
+        plan = build(group_size=owner_group_size or 1)
     dedication = Dedication(model, plan, settings, mesh, replicate_mesh, tp_mesh, expert_mesh)
     logger.info(
         "dedicate_params: %d parameters (%d matrices), %d boundaries, %d units over "
-        "%d x %d ranks, NS balance %.3f, %s",
+        "%d x %d ranks, NS balance %.3f, %s, owner groups of %d",
         len(dedication.params),
         # Every ep rank's experts, as without expert parallelism.
         sum(d.layout.matrices for d in plan.params),
@@ -259,6 +287,7 @@ def dedicate_params(
         plan.shard_size,
         plan.balance(),
         "Z3" if reshard_after_forward else "Z2",
+        plan.group_size,
     )
     return dedication
 

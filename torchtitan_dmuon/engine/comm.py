@@ -64,9 +64,11 @@ class CommStats:
 _RETIRED: dict[tuple[tuple[int, ...], str], list[dist.ProcessGroup]] = {}
 
 
-def engine_group(group: dist.ProcessGroup, description: str) -> dist.ProcessGroup:
-    """A process group over the ranks of ``group``, used by the engine alone: a removed
-    dedication's (:func:`retire_groups`) or a new one.
+def engine_group(
+    group: dist.ProcessGroup, description: str, members: slice | None = None
+) -> dist.ProcessGroup:
+    """A process group over the ranks of ``group`` (those of group ranks ``members``),
+    used by the engine alone: a removed dedication's (:func:`retire_groups`) or a new one.
 
     FSDP2 issues its collectives on the mesh's groups. Sharing them would need the
     engine's and FSDP2's collectives to interleave identically on every rank, and they do
@@ -81,6 +83,8 @@ def engine_group(group: dist.ProcessGroup, description: str) -> dist.ProcessGrou
     its peers' wait when the user's own groups would.
     """
     ranks = dist.get_process_group_ranks(group)
+    if members is not None:
+        ranks = ranks[members]
     timeout = _timeout(group)
     retired = _RETIRED.get((tuple(ranks), description), [])
     while retired:  # every member removed the same dedications: each takes the same one

@@ -76,13 +76,26 @@ class DedicationSettings:
         gradient_divide_factor: Reduced gradients are divided by this. None: the number
             of data-parallel ranks (the mean); 1.0 keeps the sum, for a loss already
             normalized over the global batch (TorchTitan's).
+        owner_group_size: Ranks that own each dense plain matrix together, in blocks
+            (see :class:`~torchtitan_dmuon.engine.plan.Plan`); 1: one owner per matrix;
+            None: chosen by the planner (:func:`~torchtitan_dmuon.engine.plan.plan_with_groups`).
     """
 
     reshard_after_forward: bool = True
     replicate_async: bool = False
     gradient_divide_factor: float | None = None
+    owner_group_size: int | None = None
 
     def __post_init__(self) -> None:
+        if self.owner_group_size is not None and (
+            isinstance(self.owner_group_size, bool)
+            or not isinstance(self.owner_group_size, int)
+            or self.owner_group_size < 1
+        ):
+            raise ValueError(
+                f"owner_group_size must be an integer >= 1 or None (chosen by the planner), "
+                f"got {self.owner_group_size!r}"
+            )
         if self.gradient_divide_factor is not None and self.gradient_divide_factor <= 0:
             raise ValueError(
                 f"gradient_divide_factor must be > 0, got {self.gradient_divide_factor}"
@@ -243,7 +256,9 @@ class Dedication:
         self.mesh = mesh
         self.stats = comm.CommStats()
         expert_mesh = expert_mesh if plan.expert_parallel else None
-        self.exchange = Exchange(mesh, replicate_mesh, tp_mesh, expert_mesh, self.stats)
+        self.exchange = Exchange(
+            mesh, replicate_mesh, tp_mesh, expert_mesh, self.stats, plan.group_size
+        )
         dense = self.exchange.domains[0]  # where this rank sits: its column, its replica
         self.shard_rank, self.shard_size = dense.rank, dense.size
         self.replicate_rank = replicate_mesh.get_local_rank() if replicate_mesh is not None else 0
@@ -467,17 +482,21 @@ class Dedication:
 
     def _log_balance(self) -> None:
         held = self.held_bytes()
-        pieces = [d for d in self.plan.params if d.layout.is_piece]  # the split stacks'
+        pieces = [d for d in self.plan.params if d.layout.experts is not None]  # stacks'
+        grouped = {d.name for d in self.plan.params if d.layout.block is not None}
         loads = self.plan.ns_loads()
         logger.info(
             "dmuon: per-rank Newton-Schulz cost max/mean %.3f, held dedicated bytes "
             "(values + masters + momentum) max/mean %.3f (max %.1f MiB), %d stacks split "
-            "into %d pieces, %d of %d ranks run no Newton-Schulz",
+            "into %d pieces, %d matrices owned by groups of %d, %d of %d ranks run no "
+            "Newton-Schulz",
             self.balance(),
             max_over_mean(held),
             max(held) / 2**20,
             len({d.name for d in pieces}),
             len(pieces),
+            len(grouped),
+            self.plan.group_size,
             sum(load == 0 for load in loads),
             len(loads),
         )
@@ -505,6 +524,8 @@ class Dedication:
                 continue
             for d in unit.params:
                 if tensor_parallel and d.layout.tp_ns_method(backend, dtype, steps) == "gram":
+                    continue
+                if d.layout.block is not None:  # an owner group's own iteration
                     continue
                 shape = d.layout.shape  # whole matrices (a piece's)
                 key = (int(shape[-2]), int(shape[-1]))

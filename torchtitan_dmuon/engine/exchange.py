@@ -38,10 +38,12 @@ from torchtitan_dmuon.optim.sharded_ns import (
     sharded_newton_schulz,
     sharded_ns_bytes,
     sharded_ns_method,
+    split_newton_schulz,
 )
 
 __all__ = [
     "Exchange",
+    "OwnerGroup",
     "PendingReduce",
     "Replicas",
     "TensorParallelNS",
@@ -83,6 +85,8 @@ class Exchange:
         replicas: HSDP's second stage, or None.
         tp_group: The owner column's tensor-parallel ranks, or None.
         tensor_parallel: Their Newton-Schulz (:class:`TensorParallelNS`), or None.
+        owner_group: The owner group this rank is a member of (:class:`OwnerGroup`),
+            or None with one owner per matrix.
         stats: Bytes and calls per collective kind.
     """
 
@@ -93,6 +97,7 @@ class Exchange:
         tp_mesh: DeviceMesh | None,
         expert_mesh: DeviceMesh | None,
         stats: CommStats,
+        group_size: int = 1,
     ) -> None:
         self.stats = stats
         # Created in one order on every rank (dense shard and reduce, replicate, the
@@ -111,6 +116,13 @@ class Exchange:
         if tp_mesh is not None:
             self.tp_group = comm.engine_group(tp_mesh.get_group(), "dmuon_tp")
             self.tensor_parallel = TensorParallelNS(self.tp_group, stats)
+        self.owner_group: OwnerGroup | None = None
+        if group_size > 1:
+            # The consecutive shard ranks of this rank's group (only they create it).
+            first = self.domains[0].rank // group_size * group_size
+            members = slice(first, first + group_size)
+            group = comm.engine_group(mesh.get_group(), "dmuon_owner_group", members)
+            self.owner_group = OwnerGroup(group, stats)
         # Idle but for the ranks of a failed pass, which meet here while their peers may
         # still wait in that pass's gathers and reduces (see agree_on_failed_pass).
         self.recovery_groups = [comm.engine_group(mesh.get_group(), "dmuon_recovery")]
@@ -140,7 +152,15 @@ class Exchange:
             g for domain in self.domains[1:] for g in (domain.shard_group, domain.reduce_group)
         ]
         groups += [self.tp_group] if self.tp_group is not None else []
+        groups += [self.owner_group.group] if self.owner_group is not None else []
         return groups + self.recovery_groups
+
+    def column_holders(self, layout) -> dist.ProcessGroup | None:
+        """The group over the holders of a column-split piece's parts: an owner group's
+        members for its blocks, else the tensor-parallel ranks."""
+        if layout.block is not None:
+            return self.owner_group.group
+        return self.tp_group
 
     def data_parallel_groups(self) -> list[dist.ProcessGroup]:
         """Groups whose successive SUM all-reduces sum over every data-parallel rank: the
@@ -317,6 +337,37 @@ class Replicas:
     def wait_all(self) -> None:
         for unit in list(self._in_flight):
             self.wait(unit)
+
+
+class OwnerGroup:
+    """The ranks that own matrices together, each a block of each, and their Newton-Schulz.
+
+    Attributes:
+        group: The engine's group over the members.
+        stats: Where its collectives are counted (``owner_group_all_reduce``).
+    """
+
+    def __init__(self, group: dist.ProcessGroup, stats: CommStats) -> None:
+        self.group = group
+        self.stats = stats
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """SUM-all-reduce ``tensor`` in place over the members."""
+        self.stats.record("owner_group_all_reduce", tensor)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+
+    def split_ns(self, block_dim: int, schedule, *, eps: float, dtype: torch.dtype):
+        """Newton-Schulz of the members' blocks split along ``block_dim`` (0: rows, 1:
+        columns), run together: every iteration of the torch backend's, its ``X X^T``
+        summed over the blocks (``optim/sharded_ns.split_newton_schulz``)."""
+        split_dim = block_dim - 2
+
+        def orthogonalize(blocks: torch.Tensor) -> torch.Tensor:
+            return split_newton_schulz(
+                blocks, split_dim, self.all_reduce, schedule, eps=eps, dtype=dtype
+            )
+
+        return orthogonalize
 
 
 class TensorParallelNS:

@@ -98,6 +98,9 @@ class OwnedMatrices:
     def local_rows(self) -> dict[str, int]:
         return {d.name: d.layout.local_shape[0] for d in self.dedication.plan.params}
 
+    def row_blocked(self) -> set[str]:
+        return {d.name for d in self.dedication.plan.params if d.layout.block_dim == 0}
+
     def ns_workload(self, backend: str, dtype: torch.dtype, steps: int) -> dict:
         return self.dedication.ns_workload(backend, dtype, steps)
 
@@ -108,22 +111,49 @@ class OwnedMatrices:
         self.dedication.before_step()
 
     def step_phases(self, ns: NSChoice) -> list[list[MatrixGroup]]:
-        """Those stepped alone first, then the tensor-parallel shards by split dim, whose
-        owner column's TP ranks run the Newton-Schulz together: a rank that failed before
-        would otherwise meet its TP peer's collective with its agreement."""
+        """Those stepped alone first, then the blocks of owner groups' matrices by block
+        dim, or the tensor-parallel shards by split dim, whose holders run the
+        Newton-Schulz together: a rank that failed before would otherwise meet its peer's
+        collective with its agreement."""
         with record_function("dmuon::owned_grads"):
             targets = self.dedication.owned_grads()
         by_split: dict[int | None, list[tuple]] = {None: []}
+        by_block_dim: dict[int, list[tuple]] = {}
         for target in targets:
-            # The shards one split dim cuts run one sharded Newton-Schulz together.
-            by_split.setdefault(self.dedication.layout_of(target[0]).split_dim, []).append(target)
+            layout = self.dedication.layout_of(target[0])
+            if layout.block is not None:
+                by_block_dim.setdefault(layout.block_dim, []).append(target)
+            else:  # the shards one split dim cuts run one sharded Newton-Schulz together
+                by_split.setdefault(layout.split_dim, []).append(target)
         alone_targets = by_split.pop(None)
         alone = [self._group(None, alone_targets, ns, ns.bind())] if alone_targets else []
-        if self.dedication.exchange.tp_group is None:
+        exchange = self.dedication.exchange
+        if exchange.owner_group is not None:
+            # Two phases on every rank of a job with owner groups, owning blocks or not.
+            return [
+                alone,
+                [self._blocks(dim, by_block_dim[dim], ns) for dim in sorted(by_block_dim)],
+            ]
+        if exchange.tp_group is None:
             return [alone]
         # Two phases on every rank of a TP job, owning shards or not: each is agreed on.
         bound = ns.bind()
         return [alone, [self._group(split, ts, ns, bound) for split, ts in by_split.items()]]
+
+    def _blocks(self, block_dim: int, targets: list[tuple], ns: NSChoice) -> MatrixGroup:
+        """An owner group's blocks split along ``block_dim``, orthogonalized by the
+        members together; every member has the same matrices in the same order."""
+        keys, masters, grads = (list(column) for column in zip(*targets, strict=True))
+        owner_group = self.dedication.exchange.owner_group
+        return MatrixGroup(
+            keys,
+            masters,
+            grads,
+            owner_group.split_ns(block_dim, ns.schedule, eps=ns.eps, dtype=ns.dtype),
+            shapes=[key.shape for key in keys],
+            split_dim=block_dim - 2,  # NorMuon's row statistics: which dim the blocks split
+            all_reduce=owner_group.all_reduce,
+        )
 
     def _group(
         self, split: int | None, targets: list[tuple], ns: NSChoice, bound: NSFunction

@@ -11,6 +11,8 @@ TorchTitan's layouts, and the kind each becomes:
 * a plain matrix, or a DTensor replicated over the TP mesh (``NoParallel``): ``WHOLE``;
 * a 2-D DTensor split along rows (``Colwise``) or columns (``Rowwise``): ``TP_SHARD``;
 * a plain 3-D stack of experts, split among owners: ``STACK_PIECE``;
+* a plain matrix owned by a group of ranks: ``BLOCK``, one of its equal blocks along its
+  long side per member;
 * a stack sharded along dim 0 over ``ep`` (``ExpertParallel``), along its matrices over
   ``etp`` (expert TP) or both, or over the TP mesh without expert parallelism
   (``TensorParallel`` of the experts): ``EXPERT_PIECE``, a piece of this rank's local
@@ -46,7 +48,7 @@ from torch.distributed._shard.sharded_tensor.metadata import (
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from torchtitan_dmuon.optim.newton_schulz import matrix_count
+from torchtitan_dmuon.optim.newton_schulz import matrix_count, ns_flops, split_ns_flops
 from torchtitan_dmuon.optim.sharded_ns import sharded_ns_method
 
 __all__ = [
@@ -153,6 +155,7 @@ class LayoutKind(Enum):
     TP_SHARD = auto()
     STACK_PIECE = auto()
     EXPERT_PIECE = auto()
+    BLOCK = auto()
 
 
 def kind_of(param: torch.Tensor) -> LayoutKind:
@@ -204,6 +207,8 @@ class ParamLayout:
         ep_rank / ep_size: This rank's coordinate on the ``ep`` mesh dim and its size (0
             and 1 without one); etp_rank / etp_size: the same of ``etp``.
         local_experts: Experts in this rank's local stack (0 for a matrix).
+        block: A ``BLOCK``'s ``(index, count)`` among its matrix's blocks, else None.
+        block_dim: The dim its matrix is split into blocks along (0 or 1), else None.
     """
 
     kind: LayoutKind
@@ -217,6 +222,8 @@ class ParamLayout:
     etp_rank: int = 0
     etp_size: int = 1
     local_experts: int = 0
+    block: tuple[int, int] | None = None
+    block_dim: int | None = None
 
     @classmethod
     def of(cls, param: torch.Tensor, experts: tuple[int, int] | None = None) -> ParamLayout:
@@ -237,11 +244,49 @@ class ParamLayout:
             isinstance(param, DTensor), *coordinates, local[0] if param.ndim == 3 else 0,
         )  # fmt: skip
 
+    @classmethod
+    def of_block(cls, param: torch.Tensor, index: int, count: int) -> ParamLayout:
+        """Block ``index`` of ``count`` equal blocks of a plain matrix along its long side
+        (columns when square), which an owner group orthogonalizes together.
+
+        Raises:
+            ValueError: ``param`` is not a plain matrix or its long side does not split
+                evenly into ``count`` blocks.
+        """
+        if isinstance(param, DTensor) or param.ndim != 2:
+            raise ValueError(
+                f"an owner group takes plain 2-D matrices, got {type(param).__name__} of "
+                f"shape {tuple(param.shape)}"
+            )
+        dim = 0 if param.shape[0] > param.shape[1] else 1
+        if param.shape[dim] % count != 0 or not 0 <= index < count:
+            raise ValueError(
+                f"cannot split a {tuple(param.shape)} matrix into {count} blocks along dim {dim}"
+            )
+        local = list(param.shape)
+        local[dim] //= count
+        return cls(
+            LayoutKind.BLOCK, param.shape, torch.Size(local), None, None, False,
+            block=(index, count), block_dim=dim,
+        )  # fmt: skip
+
     @property
     def is_piece(self) -> bool:
-        """A piece of a stack split among owners (its pieces travel apart from whole
-        matrices)."""
-        return self.experts is not None
+        """A piece of a stack split among owners, or a block of an owner group's matrix
+        (pieces travel apart from whole matrices, and refill their parameter)."""
+        return self.experts is not None or self.block is not None
+
+    def ns_cost(self, steps: int) -> int:
+        """Multiply-adds of its Newton-Schulz on its owner (a block's share of its owner
+        group's, with the polynomial every member computes whole)."""
+        if self.block is not None:
+            return split_ns_flops(self.shape, steps, self.block[1])
+        return ns_flops(self.shape, steps)
+
+    @property
+    def block_start(self) -> int:
+        """A block's first row or column in its matrix."""
+        return self.block[0] * self.local_shape[self.block_dim]
 
     @property
     def numel(self) -> int:
@@ -270,7 +315,10 @@ class ParamLayout:
 
     @property
     def matrices(self) -> int:
-        """Matrices it stands for in the whole model (every ``ep`` rank's experts)."""
+        """Matrices it stands for in the whole model (every ``ep`` rank's experts; an
+        owner group's matrix once, by its first block)."""
+        if self.block is not None:
+            return int(self.block[0] == 0)
         return matrix_count(self.shape) * self.ep_size
 
     def experts_of(self, ep_rank: int) -> tuple[int, int]:
@@ -285,7 +333,10 @@ class ParamLayout:
         return None if self.experts is None else self.experts_of(self.ep_rank)
 
     def select(self, value: torch.Tensor) -> torch.Tensor:
-        """Its part of a local value of the whole parameter (a piece's experts)."""
+        """Its part of a local value of the whole parameter (a piece's experts, a block's
+        rows or columns)."""
+        if self.block is not None:
+            return value.narrow(self.block_dim, self.block_start, self.local_shape[self.block_dim])
         return value if self.experts is None else value[self.experts[0] : self.experts[1]]
 
     def value(self, param: nn.Parameter) -> torch.Tensor:
@@ -336,6 +387,10 @@ class ParamLayout:
         """``(offsets, sizes, owner(ep rank, etp rank))`` of this piece in the whole stack,
         as each ``ep`` rank holds it (its local experts) and in each expert
         tensor-parallel shard; none for a whole matrix."""
+        if self.block is not None:
+            offsets = [0, 0]
+            offsets[self.block_dim] = self.block_start
+            return [(offsets, list(self.local_shape), owner(0, 0))]
         if self.experts is None:
             return []
         sizes = list(self.local_shape)
@@ -349,21 +404,36 @@ class ParamLayout:
         return shards
 
     @property
+    def column_parts(self) -> tuple[int, int]:
+        """``(this holder's index, holders)`` among the holders of a column-split piece's
+        parts: expert tensor-parallel ranks, or an owner group's blocks."""
+        return self.block if self.block is not None else (self.etp_rank, self.etp_size)
+
+    @property
+    def splits_piece_columns(self) -> bool:
+        """A piece whose columns its holders split: every one of them holds all rows."""
+        return self.is_piece and (self.splits_columns or self.block_dim == 1)
+
+    @property
     def row_blocks(self) -> bool:
         """Whether its per-row state (NorMuon's second moment) is saved and loaded in
-        blocks of rows, one per expert tensor-parallel rank: a piece whose columns are
-        split leaves each of them a copy of the same rows, and DCP wants disjoint shards."""
-        return self.is_piece and self.splits_columns
+        blocks of rows, one per holder of a part of its columns (expert tensor-parallel
+        ranks, an owner group's members): each holds a copy of the same rows, and DCP
+        wants disjoint shards."""
+        return self.splits_piece_columns
 
-    def row_block(self, rows: int, etp_rank: int | None = None) -> tuple[int, int]:
-        """The rows of a column-split piece's per-row state that expert tensor-parallel
-        rank ``etp_rank`` (default: this rank's) saves and loads."""
-        etp_rank = self.etp_rank if etp_rank is None else etp_rank
-        return rows * etp_rank // self.etp_size, rows * (etp_rank + 1) // self.etp_size
+    def row_block(self, rows: int, part: int | None = None) -> tuple[int, int]:
+        """The rows of a column-split piece's per-row state that its holder ``part``
+        (default: this rank) saves and loads."""
+        index, parts = self.column_parts
+        part = index if part is None else part
+        return rows * part // parts, rows * (part + 1) // parts
 
     def row_block_owners(self, shards: list[PieceShard]) -> list[int]:
-        """The global rank that loads each expert tensor-parallel rank's block of the rows
-        of this rank's piece, by etp rank, from the stack's ``shards``."""
+        """The global rank that loads each holder's block of the rows of this rank's
+        piece, in holder order, from the piece's ``shards``."""
+        if self.block is not None:
+            return [rank for _, _, rank in sorted(shards, key=lambda shard: shard[0][-1])]
         first_expert = self.experts_of(self.ep_rank)[0]
         owners = {
             offsets[-1] // sizes[-1]: rank
@@ -403,7 +473,7 @@ class ParamLayout:
             metadata = self._piece_metadata(shards(), local, per_row)
             # A rank owns at most one piece (or piece's shard) of each stack.
             mine = [md for md in metadata if md.placement.rank() == dist.get_rank()]
-            if per_row and self.splits_columns:
+            if per_row and self.splits_piece_columns:
                 # Saved from a copy, loaded into one: the loader puts it in place.
                 start, stop = self.row_block(self.local_shape[-2])
                 local = local.narrow(-2, start, stop - start).contiguous()
@@ -438,7 +508,7 @@ class ParamLayout:
         for offsets, sizes, rank in shards:
             if per_row:
                 rows, row_offset = sizes[-2], offsets[-2]
-                if self.splits_columns:
+                if self.splits_piece_columns:
                     start, stop = self.row_block(rows, offsets[-1] // sizes[-1])
                     rows, row_offset = stop - start, row_offset + start
                 offsets = [*offsets[:-2], row_offset, 0]

@@ -41,14 +41,17 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from torchtitan_dmuon.engine.param_layout import (
+    LayoutKind,
     ParamLayout,
     dedication_domain,
+    kind_of,
     local_tensor,
     split_among_owners,
 )
-from torchtitan_dmuon.optim.newton_schulz import ns_flops
+from torchtitan_dmuon.optim.newton_schulz import ns_flops, split_ns_flops
 
 __all__ = [
     "Boundary",
@@ -65,6 +68,7 @@ __all__ = [
     "default_boundary_modules",
     "expert_ranges",
     "load_balance",
+    "plan_with_groups",
     "max_over_mean",
     "rank_loads",
     "select_matrices",
@@ -363,11 +367,16 @@ class Plan:
         domains: The dense domain, then (under expert parallelism) the experts'.
         expert_columns: Under expert parallelism, the experts' column (``efsdp`` rank)
             of each dense column (shard-group rank).
+        group_size: Ranks of an owner group (1: one owner per matrix): the dense plain
+            matrices are split into that many blocks along their long side, owned by the
+            consecutive shard ranks ``g * group_size ...`` of one replica, which run
+            their Newton-Schulz together.
     """
 
     boundaries: list[Boundary]
     domains: list[Domain]
     expert_columns: list[int] | None = None
+    group_size: int = 1
 
     @property
     def expert_parallel(self) -> bool:
@@ -415,6 +424,7 @@ class Plan:
                 for d in u.params:
                     # A piece's experts are part of what the ranks must agree on.
                     key = (i, b.name, d.name, tuple(d.param.shape), d.layout.experts)
+                    key += (d.layout.block,)
                     key += (u.domain, u.column, u.primary_replica)
                     h.update(repr(key).encode())
         return int.from_bytes(h.digest()[:7], "little")
@@ -424,7 +434,7 @@ class Plan:
         load = [0] * self.slots
         for unit in self.units:
             if domain is None or unit.domain == domain:
-                cost = sum(ns_flops(d.layout.shape, 1) for d in unit.params)
+                cost = sum(d.layout.ns_cost(1) for d in unit.params)
                 for s in self.rank_slots(unit, primary=True):
                     load[s] += cost
         return load
@@ -459,6 +469,7 @@ def build_plan(
     hook_boundary_predicate: BoundaryPredicate | None,
     expert_shard_size: int | None = None,
     expert_columns: Sequence[int] | None = None,
+    group_size: int = 1,
 ) -> Plan:
     """Group the selected matrices by boundary and owner slot.
 
@@ -468,7 +479,10 @@ def build_plan(
     takes part as ``min(stack size, slots)`` pieces of contiguous experts on different
     slots. Under expert parallelism (``expert_shard_size``, ``expert_columns``: see
     :class:`Plan`) the local experts are placed first and the dense matrices then start
-    from the load each rank already has.
+    from the load each rank already has. With ``group_size`` > 1 every dense plain matrix
+    whose long side splits evenly is owned by an owner group (see :class:`Plan`): the
+    groups are partitioned by LPT first (each member's share of the cost), then the other
+    dense matrices over the slots.
 
     Raises:
         ValueError: one boundary's matrices mix dtypes or devices (one flat buffer
@@ -495,8 +509,14 @@ def build_plan(
             )
         domains.append(Domain(expert_shard_size, replicate_size))
         expert_columns = list(expert_columns)
+    if group_size < 1 or shard_size % group_size != 0:
+        raise ValueError(
+            f"owner_group_size {group_size} must be >= 1 and divide the shard size {shard_size}"
+        )
     entries: list[list[DedicatedParam]] = [[] for _ in domains]
     items: list[list[PartitionItem]] = [[] for _ in domains]
+    # An owner group's matrix: its first block's entry, its cost per member, its boundary.
+    grouped: list[tuple[int, PartitionItem]] = []
     for stack, ((name, p), domain) in enumerate(zip(selected, param_domains, strict=True)):
         if split_among_owners(p):
             experts = local_tensor(p).shape[0]
@@ -505,6 +525,13 @@ def build_plan(
                 entries[domain].append(DedicatedParam(name, p, layout))
                 items[domain].append(
                     PartitionItem(ns_flops(layout.shape, 1), index[names[name]], stack)
+                )
+        elif group_size > 1 and domain == 0 and _groupable(p, group_size):
+            item = PartitionItem(split_ns_flops(p.shape, 1, group_size), index[names[name]])
+            grouped.append((len(entries[0]), item))
+            for block in range(group_size):
+                entries[0].append(
+                    DedicatedParam(name, p, ParamLayout.of_block(p, block, group_size))
                 )
         else:
             entries[domain].append(DedicatedParam(name, p, ParamLayout.of(p)))
@@ -518,7 +545,7 @@ def build_plan(
             expert_load[(s // shard_size) * expert_shard_size + expert_columns[s % shard_size]]
             for s in range(domains[0].slots)
         ]
-    slots[0] = assign_owners(items[0], domains[0].slots, initial_load)
+    slots[0] = _assign_dense(items[0], grouped, domains[0].slots, group_size, initial_load)
 
     boundaries = [Boundary(name=n, module=model.get_submodule(n)) for n in boundary_names]
     for domain, layout in enumerate(domains):
@@ -550,4 +577,67 @@ def build_plan(
             for d in unit.params:
                 d.offset = offset
                 offset += d.numel
-    return Plan(boundaries, domains, expert_columns if expert_parallel else None)
+    return Plan(boundaries, domains, expert_columns if expert_parallel else None, group_size)
+
+
+def _groupable(param: nn.Parameter, group_size: int) -> bool:
+    """A plain matrix whose long side splits into ``group_size`` equal blocks."""
+    return (
+        kind_of(param) is LayoutKind.WHOLE
+        and param.ndim == 2
+        and (not isinstance(param, DTensor) and max(param.shape) % group_size == 0)
+    )
+
+
+def _assign_dense(
+    items: list[PartitionItem],
+    grouped: list[tuple[int, PartitionItem]],
+    slots: int,
+    group_size: int,
+    initial_load: Sequence[int] | None,
+) -> list[int]:
+    """The slot of each dense entry, in entry order: the owner groups' blocks (block ``b``
+    of a matrix on member ``b`` of its group) by LPT over the groups, then the other
+    matrices by LPT over the slots, from the load the groups left."""
+    load = list(initial_load) if initial_load is not None else [0] * slots
+    groups = slots // group_size
+    group_load = [max(load[g * group_size : (g + 1) * group_size]) for g in range(groups)]
+    owner_groups = assign_owners([item for _, item in grouped], groups, group_load)
+    placed: dict[int, int] = {}
+    for (first, item), g in zip(grouped, owner_groups, strict=True):
+        for block in range(group_size):
+            placed[first + block] = g * group_size + block
+            load[g * group_size + block] += item.cost
+    singles = iter(assign_owners(items, slots, load))
+    total = len(items) + group_size * len(grouped)
+    return [placed[i] if i in placed else next(singles) for i in range(total)]
+
+
+GROUP_MARGIN = 0.02
+"""How much less busiest-rank Newton-Schulz a larger owner group must bring to be chosen."""
+
+
+def plan_with_groups(build: Callable[[int], Plan], shard_size: int) -> Plan:
+    """The plan whose busiest rank has the least Newton-Schulz cost (the step waits for
+    it) over owner-group sizes 1, 2, 4, ... dividing ``shard_size``; a larger size only
+    when it saves more than :data:`GROUP_MARGIN`. ``build(group_size)`` builds one.
+
+    Splitting a matrix among more ranks divides its ``X X^T`` and product work but not
+    the polynomial's ``m^3``, which every member computes: past some size a group costs
+    more than it spreads, and where one owner per matrix is balanced already (8B at 128
+    ranks) it stays.
+    """
+    best = build(1)
+    best_cost = max(best.ns_loads())
+    size = 2
+    while size <= shard_size and shard_size % size == 0:
+        plan = build(size)
+        if not any(d.layout.block for d in plan.params):
+            break  # nothing splits this evenly: larger groups would not either
+        cost = max(plan.ns_loads())
+        if cost < best_cost * (1 - GROUP_MARGIN):
+            best, best_cost = plan, cost
+        elif cost > 2 * best_cost:
+            break  # the members' whole polynomials dominate from here on
+        size *= 2
+    return best

@@ -35,8 +35,9 @@ from torchtitan_dmuon.engine import fsdp
 from torchtitan_dmuon.engine.dedication import Dedication, dedication_of
 from torchtitan_dmuon.engine.param_layout import local_tensor
 from torchtitan_dmuon.engine.plan import max_over_mean
-from torchtitan_dmuon.optim.newton_schulz import matrix_count, ns_flops
+from torchtitan_dmuon.optim.newton_schulz import matrix_count
 from torchtitan_dmuon.optim.normuon import second_moment_shape
+from torchtitan_dmuon.optim.sharded_ns import split_ns_bytes
 
 __all__ = ["PlanReport", "RankReport", "StepCounts", "plan_report"]
 
@@ -50,11 +51,14 @@ class StepCounts:
             each gathering and reducing.
         ns_steps: Newton-Schulz iterations per matrix and step.
         normuon: NorMuon's per-row second moments are kept (``variant="normuon"``).
+        ns_bytes: Bytes per element of the Newton-Schulz dtype (an owner group all-reduces
+            its Grams in it).
     """
 
     micro_batches: int = 1
     ns_steps: int = 5
     normuon: bool = False
+    ns_bytes: int = 2
 
 
 @dataclass
@@ -150,13 +154,17 @@ class PlanReport:
         held, moved = self.values("held_total"), self.values("dmuon_total")
         return (
             f"rank {rank} of {len(self.ranks)} orthogonalizes {mine.owned} of {self.matrices} "
-            f"matrices, {mine.ns_flops / 1e12:.3f} TFLOP a step (busiest: rank {busiest.rank}, "
-            f"{busiest.ns_flops / 1e12:.3f}; {self.idle()} ranks none), holds "
+            f"matrices, {_flop(mine.ns_flops)} a step (busiest: rank {busiest.rank}, "
+            f"{_flop(busiest.ns_flops)}; {self.idle()} ranks none), holds "
             f"{mine.held_total / 2**20:.1f} MiB of them (max {max(held) / 2**20:.1f}, mean "
             f"{sum(held) / len(held) / 2**20:.1f}), moves {mine.dmuon_total / 2**20:.1f} MiB "
             f"in collectives a step (max {max(moved) / 2**20:.1f}; the same layout with AdamW: "
             f"{mine.adamw_total / 2**20:.1f})"
         )
+
+
+def _flop(flops: int) -> str:
+    return f"{flops / 1e12:.3f} TFLOP" if flops >= 1e11 else f"{flops / 1e9:.3f} GFLOP"
 
 
 def plan_report(model: nn.Module, counts: StepCounts) -> PlanReport:
@@ -189,9 +197,7 @@ def plan_report(model: nn.Module, counts: StepCounts) -> PlanReport:
             for slot in plan.rank_slots(unit, primary=True):
                 rank = ranks[slot]
                 rank.owned += sum(matrix_count(d.layout.shape) for d in unit.params)
-                rank.ns_flops += 2 * sum(
-                    ns_flops(d.layout.shape, counts.ns_steps) for d in unit.params
-                )
+                rank.ns_flops += 2 * sum(d.layout.ns_cost(counts.ns_steps) for d in unit.params)
                 rank.held["momentum"] += unit.numel * state_itemsize
                 if value_dtype != master_dtype:
                     rank.held["masters"] += unit.numel * state_itemsize
@@ -199,6 +205,9 @@ def plan_report(model: nn.Module, counts: StepCounts) -> PlanReport:
                     rank.held["normuon"] += state_itemsize * sum(
                         math.prod(second_moment_shape(d.layout.local_shape)) for d in unit.params
                     )
+                for d in unit.params:
+                    if d.layout.block is not None:
+                        rank.dmuon_bytes["all_reduce"] += _owner_group_bytes(d.layout, counts)
     others = _other_params_traffic(model, dedication, counts) + _step_agreement(dedication)
     alone = _fsdp_traffic(model, dedication, counts, with_dedicated=False)
     together = _fsdp_traffic(model, dedication, counts, with_dedicated=True)
@@ -233,6 +242,16 @@ def _other_params_traffic(model: nn.Module, dedication: Dedication, counts: Step
     )
 
 
+def _owner_group_bytes(layout, counts: StepCounts) -> int:
+    """What a block's owner group all-reduces for it per step: the Grams of its
+    Newton-Schulz and, under NorMuon, its row sums (fp32) where the blocks split the
+    columns, else its two norms."""
+    grams = split_ns_bytes(layout.shape, counts.ns_bytes, counts.ns_steps)
+    if not counts.normuon:
+        return grams
+    return grams + 4 * (layout.local_shape[0] if layout.block_dim == 1 else 2)
+
+
 def _step_agreement(dedication: Dedication) -> Counter:
     """``Muon.step``'s verdicts on failure (``owned.failed_ranks``): a flag per global rank,
     MAX-all-reduced over each data-parallel group and the tensor-parallel group, once per
@@ -240,7 +259,7 @@ def _step_agreement(dedication: Dedication) -> Counter:
     exchange = dedication.exchange
     groups = exchange.data_parallel_groups() + [exchange.tp_group]
     joined = sum(g is not None and dist.get_world_size(g) > 1 for g in groups)
-    phases = 2 if exchange.tp_group is not None else 1
+    phases = 2 if exchange.tp_group is not None or exchange.owner_group is not None else 1
     return Counter({"all_reduce": phases * joined * dist.get_world_size() * 4})
 
 

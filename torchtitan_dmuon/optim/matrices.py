@@ -62,6 +62,11 @@ class MatrixSet(Protocol):
         """Rows of each matrix on this rank (a tensor-parallel shard's), by name."""
         ...
 
+    def row_blocked(self) -> set[str]:
+        """The matrices whose owners each hold a block of their rows (an owner group's
+        blocks along the rows), by name."""
+        ...
+
     def ns_workload(self, backend: str, dtype: torch.dtype, steps: int) -> dict:
         """Matrices per ``(rows, cols)`` that ``backend`` orthogonalizes here each step."""
         ...
@@ -131,6 +136,9 @@ class LocalMatrices:
 
     def local_rows(self) -> dict[str, int]:
         return {n: local_view(p).shape[0] for n, p in zip(self.names, self.params, strict=True)}
+
+    def row_blocked(self) -> set[str]:
+        return set()
 
     def ns_workload(self, backend: str, dtype: torch.dtype, steps: int) -> dict:
         workload: dict[tuple[int, int], int] = {}

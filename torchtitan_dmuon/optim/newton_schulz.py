@@ -25,6 +25,7 @@ __all__ = [
     "newton_schulz",
     "matrix_count",
     "ns_flops",
+    "split_ns_flops",
     "prepare_ns_input",
 ]
 
@@ -187,3 +188,14 @@ def ns_flops(shape: Sequence[int], steps: int) -> int:
     rows, cols = shape[-2:]
     m, n = min(rows, cols), max(rows, cols)
     return matrix_count(shape) * steps * (4 * m * m * n + 2 * m * m * m)
+
+
+def split_ns_flops(shape: Sequence[int], steps: int, parts: int) -> int:
+    """Multiply-add FLOPs of ``steps`` Newton-Schulz iterations on one of ``parts`` equal
+    blocks of an ``(m, n)`` matrix split along its long side, run together
+    (:func:`~torchtitan_dmuon.optim.sharded_ns.split_newton_schulz`): each block's share of
+    ``X X^T`` and of the product with the polynomial, and the whole ``m^3`` polynomial.
+    """
+    rows, cols = shape[-2:]
+    m, n = min(rows, cols), max(rows, cols)
+    return matrix_count(shape) * steps * (4 * m * m * n // parts + 2 * m * m * m)

@@ -40,6 +40,8 @@ __all__ = [
     "sharded_newton_schulz",
     "sharded_ns_bytes",
     "sharded_ns_method",
+    "split_newton_schulz",
+    "split_ns_bytes",
 ]
 
 ShardedNSMethod = Literal["gram", "gather"]
@@ -107,6 +109,62 @@ def sharded_newton_schulz(
             r = r / (norm * norm)
         x = apply_factor(gram_factor(r, phase), x)
     return x.mT if rows_split else x
+
+
+def split_newton_schulz(
+    block: torch.Tensor,
+    split_dim: int,
+    all_reduce: AllReduce,
+    schedule: NSSchedule,
+    *,
+    eps: float = EPS,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """This rank's block of :func:`~torchtitan_dmuon.optim.newton_schulz.newton_schulz` of
+    a whole matrix split into equal blocks along its long side (an owner group's matrix),
+    every iteration of it: the torch backend's, step for step, with each step's ``X X^T``
+    a SUM over the blocks (one all-reduce of a ``(short side)^2`` matrix per step, and one
+    of the squared norm first).
+
+    Args:
+        block: This rank's ``(rows, cols)`` block (or a ``(batch, rows, cols)`` stack of
+            blocks of same-shape matrices).
+        split_dim: The dim the whole matrix is split along (-2: rows, -1: columns): its
+            long side (columns when square).
+        all_reduce: SUM-all-reduces a tensor in place over the block holders.
+        schedule: Coefficients per step and normalization.
+        eps: Floor of the normalizing norm.
+        dtype: Compute dtype.
+
+    Returns:
+        This rank's block of the result, same shape as ``block``, in ``dtype``.
+    """
+    _unsplit_dim(block.shape, split_dim)
+    rows_split = split_dim % block.ndim == block.ndim - 2
+    # Oriented as newton_schulz orients the whole matrix: short side first, so the split
+    # (long) side is the columns and X X^T a sum of the blocks' own.
+    x = block.to(dtype, copy=True)
+    x = x.mT if rows_split else x
+    squares = x.square().sum(dim=(-2, -1))
+    all_reduce(squares)
+    norm = (squares.sqrt() * schedule.norm_scale).clamp(min=eps)
+    x = x / norm.reshape(*norm.shape, 1, 1)
+    mm = torch.addmm if x.ndim == 2 else torch.baddbmm
+    for a, b, c in schedule.coefficients:
+        gram = x @ x.mT
+        all_reduce(gram)
+        poly = mm(gram, gram, gram, beta=b, alpha=c)
+        x = mm(x, poly, x, beta=a)
+    return x.mT if rows_split else x
+
+
+def split_ns_bytes(shape: Sequence[int], element_size: int, steps: int) -> int:
+    """Payload bytes per rank of :func:`split_newton_schulz` for one whole matrix (or
+    stack) of ``shape`` in ``element_size``-byte elements: a short-side Gram per step and
+    the squared norm."""
+    batch = math.prod(shape[:-2])
+    short = min(shape[-2:])
+    return batch * (steps * short * short + 1) * element_size
 
 
 def gathered_newton_schulz(

@@ -61,6 +61,10 @@ def _dedicated(model: nn.Module):
     dedication = get_dedication(model)
     if dedication is None:  # one data-parallel rank: every value is here, in place
         return set(), {}
+    if any(d.layout.block_dim == 1 for d in dedication.plan.params):
+        # An owner group's column block is no contiguous view of its parameter, which DCP
+        # needs: read and load the bound buffers instead (a collective, as every state_dict).
+        dedication.lazy_init()
     fqns = {id(p): clean_fqn(n) for n, p in model.named_parameters()}
     every = {clean_fqn(d.name) for unit in dedication.units for d in unit.params}
     owned = {
@@ -100,21 +104,22 @@ def load_state_into(
     result) into ``target``. For the per-row state of a piece split along its columns
     over the expert tensor-parallel ranks, each of them loaded one block of the rows:
     one broadcast per block over the engine's TP group gives every rank all of them (a
-    collective, run by the piece's ranks for the same entries in the same order)."""
+    collective, run by the piece's ranks for the same entries in the same order); the
+    same for an owner group's column blocks, over the group."""
     layout = entry.layout
     if not (per_row and layout.row_blocks):
         load_into(target, loaded)
         return
     mine = loaded.local_shards()[0].tensor
     owners = layout.row_block_owners(dedication.piece_shards(entry.name))
-    for etp_rank, owner in enumerate(owners):
-        start, stop = layout.row_block(target.shape[-2], etp_rank)
+    for part, owner in enumerate(owners):
+        start, stop = layout.row_block(target.shape[-2], part)
         block = (
             mine
-            if etp_rank == layout.etp_rank
+            if part == layout.column_parts[0]
             else target.new_empty((*target.shape[:-2], stop - start, 1))
         )
-        dist.broadcast(block, src=owner, group=dedication.exchange.tp_group)
+        dist.broadcast(block, src=owner, group=dedication.exchange.column_holders(layout))
         target.narrow(-2, start, stop - start).copy_(block)
 
 

@@ -103,6 +103,14 @@ class DMuon(MuonConfig):
     "always" is Z3, "never" Z2, "default" Z3 without pipeline parallelism and Z2 with it
     (a stage then keeps its matrices over all its micro-batches: one broadcast per step)."""
 
+    owner_group_size: int | None = None
+    """Ranks that own each dense matrix together, each a block of it along its long side,
+    running its Newton-Schulz together (it must divide the shard degree). 1: one owner per
+    matrix. None (the default): the planner's choice, the size whose busiest rank has the
+    least Newton-Schulz work (one owner per matrix wherever that is balanced already, as
+    Llama-3.1 8B at 128 ranks; always under tensor parallelism); the startup line names
+    it."""
+
     split_backward_with_fsdp: bool = False
     """Run a pipeline schedule that splits backward into input and weight passes (zero
     bubble, DualPipeV, a CSV with W actions) with FSDP. Off: refused at startup, since
@@ -146,6 +154,11 @@ class DMuon(MuonConfig):
             ValueError: A field is out of its choices or range, naming it.
         """
         super().__post_init__()
+        if self.owner_group_size is not None and self.owner_group_size < 1:
+            raise ValueError(
+                f"[dmuon] owner_group_size must be >= 1 or unset (the planner's choice), got "
+                f"{self.owner_group_size}"
+            )
         if self.qk_clip_threshold < 0:
             raise ValueError(
                 f"[dmuon] qk_clip_threshold must be >= 0 (0: off), got {self.qk_clip_threshold}"

@@ -198,6 +198,7 @@ def _dedicate(
         # TorchTitan divides the loss by the global token count and turns off FSDP's
         # gradient division: gradients are sums over ranks, and so are the dedicated ones.
         gradient_divide_factor=1.0,
+        owner_group_size=settings.owner_group_size,
     )
     _start_at_plan_size(model)
     _SETTINGS[model] = settings

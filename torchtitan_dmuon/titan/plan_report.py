@@ -125,17 +125,22 @@ def build_parts(job_config, ngpu: int, rank: int):
     return parts, parallel_dims, model_args, whole
 
 
-def step_counts(job_config, parallel_dims) -> StepCounts:
-    """Micro-batches per step as the trainer computes them (gradient accumulation)."""
+def step_counts(job_config, parallel_dims, ns_dtype: torch.dtype | None = None) -> StepCounts:
+    """Micro-batches per step as the trainer computes them (gradient accumulation), and
+    the Newton-Schulz dtype (``ns_dtype``, the optimizer's verdict; else ``[dmuon]
+    ns_dtype``, with ``auto`` counted as bf16, a GPU's)."""
     local = job_config.training.local_batch_size
     global_batch = job_config.training.global_batch_size
     data_parallel = parallel_dims.dp_replicate * parallel_dims.dp_shard
     micro = 1 if global_batch < 0 else global_batch // (local * data_parallel)
     settings = job_config.dmuon
+    if ns_dtype is None:
+        ns_dtype = getattr(torch, settings.ns_dtype, torch.bfloat16)  # "auto": bf16
     return StepCounts(
         micro_batches=max(1, micro),
         ns_steps=settings.ns_steps,
         normuon=settings.variant == "normuon",
+        ns_bytes=ns_dtype.itemsize,
     )
 
 

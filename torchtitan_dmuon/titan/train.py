@@ -87,9 +87,11 @@ class DMuonTrainer(Trainer):
             return
         # None for a part with one data-parallel rank (plain Muon + AdamW).
         self.dedications = [d for d in map(get_dedication, self.model_parts) if d is not None]
-        counts = step_counts(job_config, self.parallel_dims)
-        for index, part in enumerate(self.model_parts):
+        for index, (part, optimizer) in enumerate(
+            zip(self.model_parts, self.optimizers.optimizers, strict=True)
+        ):
             dedication = get_dedication(part)
+            counts = step_counts(job_config, self.parallel_dims, optimizer.ns.dtype)
             if dedication is not None:  # the plan report's figures, for this rank
                 rank = dedication.replicate_rank * dedication.shard_size + dedication.shard_rank
                 logger.info(
