@@ -126,7 +126,8 @@ def with_tied_embeddings(parallelize_fn):
     first forward ("shared with a parameter already managed by another FSDP group").
     With tied embeddings the two calls are left out for the duration of the call, so the
     root group holds the embedding, the final norm and the head (FSDP2 keeps one tied
-    parameter per group); untied models are sharded as the backend does.
+    parameter per group), and after tensor parallelism the head shares the embedding's
+    weight again; untied models are parallelized as the backend does.
 
     Args:
         parallelize_fn: ``parallelize_hf_transformers``, possibly wrapped by
@@ -146,7 +147,7 @@ def with_tied_embeddings(parallelize_fn):
     def parallelize_tied(model, parallel_dims, job_config):
         if not _tied_embeddings(model):
             return parallelize_fn(model, parallel_dims, job_config)
-        fully_shard = namespace["fully_shard"]
+        fully_shard, apply_tp = namespace["fully_shard"], namespace["apply_non_moe_tp"]
         separate = [model.tok_embeddings, model.output]
 
         def fully_shard_tied(module, *args, **kwargs):
@@ -155,11 +156,18 @@ def with_tied_embeddings(parallelize_fn):
                 return module  # left to the root group, with the embedding it shares
             return fully_shard(module, *args, **kwargs)
 
-        namespace["fully_shard"] = fully_shard_tied
+        def apply_tp_tied(model_, *args, **kwargs):
+            # The TP plan distributes embed_tokens (row-wise) and lm_head (column-wise)
+            # one module at a time, which unties them; both shard the [vocab, dim]
+            # weight on dim 0, so the head takes the embedding's DTensor back.
+            apply_tp(model_, *args, **kwargs)
+            model_.output.weight = model_.tok_embeddings.weight
+
+        namespace.update(fully_shard=fully_shard_tied, apply_non_moe_tp=apply_tp_tied)
         try:
             return parallelize_fn(model, parallel_dims, job_config)
         finally:
-            namespace["fully_shard"] = fully_shard
+            namespace.update(fully_shard=fully_shard, apply_non_moe_tp=apply_tp)
 
     return parallelize_tied
 
