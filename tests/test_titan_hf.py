@@ -299,9 +299,19 @@ def test_dmuon_on_four_ranks_equals_one_process_muon_and_adamw_on_qwen():
         assert torch.equal(value, result["params"][name]), name
 
 
+# The real sizes' GPU configs (not trained here): config file: flavor.
+GPU_CONFIGS = {
+    "hf_qwen2.5_1.5b_fsdp.toml": "qwen2.5-1.5B",
+    "hf_qwen2.5_7b_fsdp.toml": "qwen2.5-7B",
+    "hf_mistral_7b_fsdp.toml": "mistral-7B-v0.3",
+    "hf_llama3.2_3b_fsdp.toml": "llama3.2-3B",
+}
+
+
 def test_hf_train_configs_name_their_flavors():
-    """The debug TOMLs parse with [dmuon] and [hf_transformers] from one
-    custom_config_module and build their family (by the config folder's architecture)."""
+    """The HF TOMLs (debug and GPU) parse with [dmuon] and [hf_transformers] from one
+    custom_config_module and name a flavor whose config folder holds their family's
+    architecture."""
     from torchtitan.config import ConfigManager
 
     from torchtitan_dmuon.titan import hf
@@ -311,9 +321,15 @@ def test_hf_train_configs_name_their_flavors():
         "mistral": "MistralForCausalLM",
         "llama3.2": "LlamaForCausalLM",
     }
-    for family, path in CONFIGS.items():
+    files = {path: f"{family}-debug" for family, path in CONFIGS.items()}
+    files.update({f"train_configs/{name}": flavor for name, flavor in GPU_CONFIGS.items()})
+    assert sorted(files) == sorted(
+        str(p.relative_to(ROOT)) for p in (ROOT / "train_configs").glob("hf_*.toml")
+    )
+    for path, flavor in files.items():
         cfg = ConfigManager().parse_args(["--job.config_file", str(ROOT / path)])
-        assert cfg.model.name == HF and cfg.model.flavor == f"{family}-debug"
+        assert cfg.model.name == HF and cfg.model.flavor == flavor
         assert cfg.optimizer.name == "DMuon" and cfg.hf_transformers.model == ""
-        config = (hf.CONFIGS / cfg.model.flavor / "config.json").read_text()
-        assert architectures[family] in config
+        family = flavor.rsplit("-", 1)[0].removesuffix("-7B")
+        config = (hf.CONFIGS / flavor / "config.json").read_text()
+        assert architectures[family] in config, (path, family)
