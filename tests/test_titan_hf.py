@@ -145,29 +145,37 @@ def test_fsdp_trains_each_family_with_dmuon_and_adamw_and_resumes_bitwise(
     _check_tied(dmuon.dump / "checkpoint" / "step-6", tied)
 
 
+HSDP = ["--parallelism.data_parallel_replicate_degree", "2"]
+TP = ["--parallelism.tensor_parallel_degree", "2"]
+
+
 @pytest.mark.slow
-def test_hsdp_and_tensor_parallel_train_tied_families(tmp_path):
-    """4 ranks: Llama-3.2 debug under HSDP 2 x 2 and Qwen2.5 debug (q/k/v biases, tied
-    embeddings) under FSDP 2 x TP 2 (the engine's tensor-parallel Newton-Schulz) train
-    with DMuon, losses finite and falling; under TP the tied head stays the embedding
-    (saved equal after 6 steps), where the backend's TP plan alone would untie them."""
-    hsdp = run_train(
-        [*SHORT, "--parallelism.data_parallel_replicate_degree", "2"],
-        4, tmp_path / "hsdp", CONFIGS["llama3.2"],
-    )  # fmt: skip
-    tp = run_train(
-        [*SHORT, "--parallelism.tensor_parallel_degree", "2", "--checkpoint.enable",
-         "--checkpoint.interval", "6"],
-        4, tmp_path / "tp", CONFIGS["qwen2.5"],
-    )  # fmt: skip
-    for run in (hsdp, tp):
-        assert run.returncode == 0, run.output[-4000:]
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hsdp_and_tensor_parallel_train_each_family_with_dmuon_and_adamw(family, tmp_path):
+    """4 ranks, the debug size: HSDP 2 x 2 and FSDP 2 x TP 2 (DMuon: the engine's
+    tensor-parallel Newton-Schulz; Qwen2.5's q/k/v biases split with their rows) each
+    train 6 steps with DMuon and with AdamW, losses finite and falling; under TP a tied
+    head stays the embedding (saved equal after 6 steps), which the backend's TP plan
+    alone would untie."""
+    runs = {}
+    for layout, args in (("hsdp", HSDP), ("tp", TP)):
+        for optimizer in ("DMuon", "AdamW"):
+            extra = ["--checkpoint.enable", "--checkpoint.interval", "6"]
+            if (layout, optimizer) != ("tp", "DMuon"):
+                extra = []
+            runs[layout, optimizer] = run_train(
+                [*SHORT, *args, "--optimizer.name", optimizer, *extra],
+                4, tmp_path / f"{layout}_{optimizer}", CONFIGS[family],
+            )  # fmt: skip
+    for (layout, optimizer), run in runs.items():
+        assert run.returncode == 0, f"{layout} {optimizer}:\n{run.output[-4000:]}"
         assert sorted(run.losses) == list(STEPS)
         assert all(math.isfinite(v) for v in run.losses.values()), run.losses
-        assert run.losses[6] < run.losses[1] - 0.1, run.losses
-    assert "Applied HSDP to the model" in hsdp.output
-    assert "Applied Tensor Parallelism to the model" in tp.output
-    _check_tied(tp.dump / "checkpoint" / "step-6", True)
+        assert run.losses[6] < run.losses[1] - 0.1, (layout, optimizer, run.losses)
+        assert ("dmuon:" in run.output) == (optimizer == "DMuon")
+    assert "Applied HSDP to the model" in runs["hsdp", "DMuon"].output
+    assert "Applied Tensor Parallelism to the model" in runs["tp", "DMuon"].output
+    _check_tied(runs["tp", "DMuon"].dump / "checkpoint" / "step-6", family != "mistral")
 
 
 SEQ = 32
