@@ -165,9 +165,13 @@ def with_tied_embeddings(parallelize_fn):
 
         namespace.update(fully_shard=fully_shard_tied, apply_non_moe_tp=apply_tp_tied)
         try:
-            return parallelize_fn(model, parallel_dims, job_config)
+            model = parallelize_fn(model, parallel_dims, job_config)
         finally:
             namespace.update(fully_shard=fully_shard, apply_non_moe_tp=apply_tp)
+        if not _tied_embeddings(model):
+            raise RuntimeError("parallelizing the model untied lm_head from embed_tokens")
+        logger.info("tied embeddings: lm_head and embed_tokens are one parameter, in FSDP's root")
+        return model
 
     return parallelize_tied
 
