@@ -146,6 +146,13 @@ def with_tied_embeddings(parallelize_fn):
     @functools.wraps(parallelize_fn)
     def parallelize_tied(model, parallel_dims, job_config):
         if not _tied_embeddings(model):
+            if getattr(model.model.config, "tie_word_embeddings", False):
+                # A pipeline stage: the backend ties the head only where one stage holds
+                # both (init_weights), so each is a parameter of its own stage.
+                logger.warning(
+                    "tied embeddings under pipeline parallelism: embed_tokens and lm_head "
+                    "are in different stages, each its own parameter: the model trains untied"
+                )
             return parallelize_fn(model, parallel_dims, job_config)
         fully_shard, apply_tp = namespace["fully_shard"], namespace["apply_non_moe_tp"]
         separate = [model.tok_embeddings, model.output]
