@@ -2,7 +2,8 @@
 # Idempotent fresh-machine setup shared by run_train.sh and run_tests.sh.
 #
 #   scripts/setup.sh         what training needs: the project editable and its dependencies
-#   scripts/setup.sh --dev   also the test, benchmark and peer extras (run_tests.sh's)
+#   scripts/setup.sh --dev   also the test, benchmark, HF-backend (transformers) and peer
+#                            extras (run_tests.sh's)
 #
 # Creates .venv if absent and installs the project editable.
 # torch is installed first and then frozen with a constraint, so that no later
@@ -26,7 +27,7 @@ log() { echo "[setup] $*" >&2; }
 
 case "${1:-}" in
   "") kind=train; extras="" ;;
-  --dev) kind=dev; extras="[test,bench,peer-muon-fsdp2,peer-dtensor-muon]" ;;
+  --dev) kind=dev; extras="[test,bench,hf,peer-muon-fsdp2,peer-dtensor-muon]" ;;
   *) echo "[setup] unknown argument '$1' (expected nothing or --dev)" >&2; exit 2 ;;
 esac
 

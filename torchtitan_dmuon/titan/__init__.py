@@ -11,7 +11,9 @@
 * ``train.py``: the training entry point (``run_train.sh`` runs it).
 
 A new model goes in :data:`MODELS` below, if its parallelize function applies FSDP through
-a module-level ``apply_fsdp`` as TorchTitan's do.
+a module-level ``apply_fsdp`` as TorchTitan's do. TorchTitan's HF backend
+(``transformers_modeling_backend``, ``hf.py``) is wrapped too where ``transformers`` is
+installed, with the flavors of ``hf.py`` (Qwen2.5, Mistral, Llama-3.2) added to its own.
 """
 
 from __future__ import annotations
@@ -59,18 +61,26 @@ def register() -> None:
     global _registered
     if _registered:
         return
+    from torchtitan_dmuon.titan import hf
     from torchtitan_dmuon.titan.parallelize import with_dedication, with_pipeline_stages
 
-    for name in MODELS:
+    names = [*MODELS, hf.HF_MODEL] if hf.available() else MODELS
+    for name in names:
         spec = get_train_spec(name)
         pipelining_fn = spec.pipelining_fn
+        parallelize_fn, extra = with_dedication(spec.parallelize_fn), {}
+        if name == hf.HF_MODEL:  # the backend's flavors and the families' own
+            parallelize_fn = hf.with_tied_embeddings(parallelize_fn)
+            extra["model_args"] = {**spec.model_args, **hf.family_flavors()}
+            extra["model_cls"] = hf.model_class()
         register_train_spec(
             name,
             dataclasses.replace(
                 spec,
-                parallelize_fn=with_dedication(spec.parallelize_fn),
+                parallelize_fn=parallelize_fn,
                 pipelining_fn=with_pipeline_stages(pipelining_fn) if pipelining_fn else None,
                 build_optimizers_fn=_wrap_optimizer_builder(spec.build_optimizers_fn),
+                **extra,
             ),
         )
     _registered = True

@@ -62,6 +62,17 @@ MODEL_SELECTIONS = {
         ("layers.*.attention.w[qkvo].weight", "layers.*.moe.experts.mlp[12]_weight"),
         _MOE_BOUNDARIES,
     ),
+    # TorchTitan's HF backend (Qwen2.5, Mistral, Llama-3.2: titan/hf.py), by the HF names:
+    # the attention and MLP matrices; q/k/v biases, norms, embed_tokens and lm_head (tied
+    # to embed_tokens or not) stay on AdamW.
+    "transformers_modeling_backend": ModelSelection(
+        (
+            "model.model.layers.*.self_attn.[qkvo]_proj.weight",
+            "model.model.layers.*.mlp.gate_proj.weight",
+            "model.model.layers.*.mlp.up_proj.weight",
+            "model.model.layers.*.mlp.down_proj.weight",
+        )
+    ),
 }
 """The default selection of each model DMuon wraps (``torchtitan_dmuon.titan.MODELS``):
 what a Muon user picks, the matrices of attention and of the dense and expert FFNs."""
@@ -168,7 +179,22 @@ class DMuon(MuonConfig):
 
 
 @dataclass
+class HFTransformers:
+    """TorchTitan's HF backend section (``[model] name = "transformers_modeling_backend"``),
+    as ``torchtitan.experiments.transformers_modeling_backend.job_config`` declares it:
+    declared again here, since importing that module imports ``transformers``, which the
+    other models do not need, and one ``custom_config_module`` must carry both sections."""
+
+    model: str = ""
+    """HF model id or local folder whose config.json the model is built from (no weights
+    are loaded). Empty: the flavor's own folder (DMuon's flavors, e.g. "qwen2.5-7B":
+    torchtitan_dmuon/titan/hf_configs/<flavor>/)."""
+
+
+@dataclass
 class JobConfig:
-    """Adds the [dmuon] section to TorchTitan's JobConfig."""
+    """Adds the [dmuon] section, and the HF backend's [hf_transformers], to TorchTitan's
+    JobConfig."""
 
     dmuon: DMuon = field(default_factory=DMuon)
+    hf_transformers: HFTransformers = field(default_factory=HFTransformers)
