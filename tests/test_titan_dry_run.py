@@ -62,22 +62,25 @@ def test_dry_run_from_8_to_1024_ranks(tmp_path):
     it holds) and trains its step to a finite loss. Two dry runs at 8 give the same
     loss: a receiver of a fake broadcast holds the same init-scale weights every time
     (the engine's uninitialized buffers steered it differently run to run, e.g. NaN)."""
-    first = dry_run(8, tmp_path)
-    assert dry_run(8, tmp_path)[:2] == first[:2]
+    # One Newton-Schulz dtype for the run and the command (the run's "auto" depends on
+    # the CPU; the command counts "auto" as a GPU's bf16).
+    fp32 = ("--dmuon.ns_dtype", "float32")
+    first = dry_run(8, tmp_path, *fp32)
+    assert dry_run(8, tmp_path, *fp32)[:2] == first[:2]
     assert first[0] == (42, 42, 6, 42, 1, 8)
     held, total = map(int, STARTED.search(first[2]).groups())
     assert total == 42 and 1 <= held < 42  # its owned matrices, by the LPT plan
     # The plan report command prints the line the run logged at start, counted alike.
-    line, report = plan_report(8, tmp_path)
+    line, report = plan_report(8, tmp_path, *fp32)
     assert REPORT.search(first[2]).group(1) == line
     assert report["parts"][0]["summary"]["idle"] == 0 and len(report["parts"][0]["ranks"]) == 8
-    plan, _, output = dry_run(1024, tmp_path)
+    plan, _, output = dry_run(1024, tmp_path, *fp32)
     # The planner's owner groups: 16 ranks a matrix, each a block (42 x 16 units); the 42
     # matrices fill 42 of the 64 groups.
     assert plan == (42, 42, 6, 42 * 16, 1, 1024)
     assert "Z3, owner groups of 16" in output
     assert "352 of 1024 ranks run no Newton-Schulz" in output
-    line, report = plan_report(1024, tmp_path)
+    line, report = plan_report(1024, tmp_path, *fp32)
     assert REPORT.search(output).group(1) == line
     assert report["parts"][0]["summary"]["idle"] == 352
     assert sum(r["owned"] for r in report["parts"][0]["ranks"]) == 42 * 16
@@ -85,7 +88,7 @@ def test_dry_run_from_8_to_1024_ranks(tmp_path):
     held, total = map(int, STARTED.search(output).groups())
     assert total == 42 and held <= 1
     hsdp = dry_run(64, tmp_path, "--parallelism.data_parallel_replicate_degree", "8")
-    assert hsdp[0] == (42, 42, 6, 42, 8, 8)
+    assert hsdp[0] == (42, 42, 6, 42 * 2, 8, 8)  # 64 ranks for 42 matrices: groups of 2
     tp = dry_run(16, tmp_path, "--parallelism.tensor_parallel_degree", "2")
     assert tp[0] == (42, 42, 6, 42, 1, 8)
     moe = dry_run(8, tmp_path, config="train_configs/qwen3_debug_moe.toml")[0]
