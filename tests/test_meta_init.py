@@ -96,6 +96,7 @@ def _parallelized(layout: str, world: int) -> nn.Module:
         replicate_mesh=mesh["r"] if replicas > 1 else None,
         reshard_after_forward=layout != "z2",
         expert_mesh=expert_mesh,
+        owner_group_size=2 if layout == "groups" else 1,
     )
     fsdp_mesh = mesh if replicas > 1 else mesh["s"]
     for block in model.layers:
@@ -137,6 +138,7 @@ def start_worker(rank, world, layouts):
         materialize(planned, "cpu", lambda planned=planned: init_weights(planned))
         planned_rng = torch.get_rng_state()
         unheld = set(dedication.unheld_names())
+        split = set(dedication.split_names())
         params = {d.name: planned.get_parameter(d.name) for d in dedication.plan.params}
         storage = {name: _storage_bytes(p) for name, p in params.items()}
         local_bytes = {
@@ -158,6 +160,7 @@ def start_worker(rank, world, layouts):
             == [n for n, _ in planned.named_parameters()],
             "rng_equal": torch.equal(full_rng, planned_rng),
             "unheld": unheld,
+            "split": split,
             "storage": storage,
             "local_bytes": local_bytes,
             "others_equal": others_equal,
@@ -189,10 +192,14 @@ def _check(by_rank, layouts) -> None:
             assert run["same_order"], where  # named_parameters (checkpoints, optimizers)
             assert all(run["others_equal"].values()), (where, run["others_equal"])
             assert all(run["dedicated_equal"].values()), (where, run["dedicated_equal"])
-            # Allocated: the held matrices in full, nothing of the others.
+            # Allocated: the held matrices in full, nothing of the others nor of the split
+            # ones (stacks in pieces, an owner group's matrices), whose pieces are kept apart.
             for name, nbytes in run["storage"].items():
-                expected = 0 if name in run["unheld"] else run["local_bytes"][name]
+                whole = name not in run["unheld"] and name not in run["split"]
+                expected = run["local_bytes"][name] if whole else 0
                 assert nbytes == expected, (where, name, nbytes)
+            if layout in ("ep", "groups"):
+                assert run["split"], where
             assert run["unheld"], where  # some matrices are not held here
             # Plain matrices (no DTensor random stream on CPU): one process's values.
             for name, value in reference.items():
@@ -203,6 +210,8 @@ def _check(by_rank, layouts) -> None:
         names = runs[0]["storage"].keys()
         for name in names:
             assert any(name not in r["unheld"] for r in runs), (layout, name)
+        if layout in ("ep", "groups"):  # split: allocated whole nowhere
+            assert all(r["storage"][name] == 0 for r in runs for name in runs[0]["split"])
         held = [sum(r["storage"].values()) for r in runs]
         full = sum(runs[0]["local_bytes"].values())
         assert max(held) < full, (layout, held, full)
@@ -210,7 +219,7 @@ def _check(by_rank, layouts) -> None:
 
 @pytest.mark.parametrize(
     ("world", "layouts"),
-    [(4, ("z3", "z2", "hsdp", "tp", "ep")), (8, ("z3", "hsdp", "tp", "ep"))],
+    [(4, ("z3", "z2", "hsdp", "tp", "ep", "groups")), (8, ("z3", "hsdp", "tp", "ep"))],
 )
 def test_start_at_plan_size_equals_a_full_start(world, layouts):
     by_rank = run_distributed(start_worker, world, layouts, timeout=300)
@@ -220,13 +229,14 @@ def test_start_at_plan_size_equals_a_full_start(world, layouts):
 def test_a_model_started_at_plan_size_trains_as_one_started_in_full():
     """Started at the plan's size, the values held on each rank train exactly as after a
     full start (and both as one-process Muon: the other tests): under FSDP Z3 and Z2,
-    async HSDP and expert parallelism."""
+    async HSDP, expert parallelism and owner groups of 2."""
     experts = dict(model_kwargs=dict(block=ExpertBlock), predicate=proj_or_experts_predicate)
     cases = [
         dict(steps=2),
         dict(steps=2, z3=False),
         dict(steps=2, hsdp_shape=(2, 2), replicate_async=True),
         dict(experts, steps=2, ep=2),
+        dict(steps=2, owner_group_size=2),
     ]
     configs = [dict(case, meta_init=kind) for case in cases for kind in (True, "plan")]
     by_rank = run_distributed(train_configs, 4, configs, timeout=300)

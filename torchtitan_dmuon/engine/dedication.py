@@ -276,6 +276,9 @@ class Dedication:
         # Between ``materialize.to_empty`` and the end of ``materialize.initializing``:
         # (device, the unheld matrices left on the meta device, by name).
         self.awaiting_init: tuple[torch.device, dict[str, nn.Parameter]] | None = None
+        # Started at the plan's size: the values of this rank's pieces of split parameters
+        # (stacks, owner groups' matrices), which are not allocated whole, until binding.
+        self.start_pieces: dict[tuple, torch.Tensor] = {}
         self._on_remove: list = []
         fsdp.mark_dedicated(model, [d.name for d in plan.params])
         self.driver = HookDriver(self, plan.boundaries)
@@ -327,6 +330,23 @@ class Dedication:
         names = dict.fromkeys(d.name for d in self.plan.params)  # a split stack's once
         return [name for name in names if name not in held]
 
+    def split_names(self) -> list[str]:
+        """The dedicated parameters split among owners (stacks of experts in pieces, an
+        owner group's matrices in blocks): no rank holds one whole between steps."""
+        return list(dict.fromkeys(d.name for d in self.plan.params if d.layout.is_piece))
+
+    def held_pieces(self, name: str) -> list[DedicatedParam]:
+        """This rank's pieces of the split parameter ``name`` (of the units it holds)."""
+        return [d for u in self.units if u.holds for d in u.params if d.name == name]
+
+    @staticmethod
+    def piece_key(d: DedicatedParam) -> tuple:
+        return d.name, d.layout.experts, d.layout.block
+
+    def _start_value(self, d: DedicatedParam) -> torch.Tensor:
+        kept = self.start_pieces.pop(self.piece_key(d), None)
+        return kept if kept is not None else d.layout.value(d.param)
+
     def lazy_init(self) -> None:
         """Bind each unit's parameters to one flat buffer, at the first forward.
 
@@ -343,7 +363,8 @@ class Dedication:
             )
         self.bind_params()
         for boundary, units in zip(self.plan.boundaries, self.boundary_units, strict=True):
-            bind_boundary(units, *fsdp.mixed_precision_of(self.model, boundary.name))
+            dtypes = fsdp.mixed_precision_of(self.model, boundary.name)
+            bind_boundary(units, *dtypes, self._start_value)
         self._log_balance()
         names = {d.name for d in self.plan.params}
         self.others = OtherParams(self.model, names, self.exchange.data_parallel_groups())

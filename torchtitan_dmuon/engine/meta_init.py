@@ -12,7 +12,10 @@ scratch tensor, one matrix at a time: every random initializer draws from the ge
 as it would on the full matrix, so what this rank does keep (the held matrices, FSDP2's
 shards, buffers) gets the same values as after a full ``to_empty`` and initialization.
 Then each of those matrices becomes a parameter of the same shape whose storage is freed,
-as the engine keeps it between uses. :func:`materialize` runs both.
+as the engine keeps it between uses. A parameter split among owners (a stack of experts in
+pieces, an owner group's matrix in blocks) is never held whole: it is initialized on a
+scratch too, and this rank keeps a copy of its own pieces of it (``Dedication.start_pieces``,
+what binding reads). :func:`materialize` runs both.
 
 One scratch at a time means an initialization must finish with a matrix before it turns
 to the next (every model's ``init_weights`` does); one that comes back to an earlier
@@ -55,7 +58,9 @@ def to_empty(model: nn.Module, *, device: torch.device | str) -> None:
     dedication = dedication_of(model)
     if dedication.initialized:
         raise RuntimeError("to_empty: the dedicated model has run a forward already")
-    unheld = {name: model.get_parameter(name) for name in dedication.unheld_names()}
+    # Those not held here, and the split ones (this rank keeps its pieces only).
+    names = dict.fromkeys([*dedication.unheld_names(), *dedication.split_names()])
+    unheld = {name: model.get_parameter(name) for name in names}
     slots = [(*_module_and_leaf(model, name), param) for name, param in unheld.items()]
     try:
         for module, leaf, _ in slots:
@@ -94,8 +99,15 @@ class _ScratchMode(TorchFunctionMode):
     raises everywhere alike.
     """
 
-    def __init__(self, unheld: dict[str, nn.Parameter], dedicated: dict[int, str], device):
+    def __init__(
+        self,
+        unheld: dict[str, nn.Parameter],
+        dedicated: dict[int, str],
+        device,
+        finished: Callable[[str, torch.Tensor], None],
+    ):
         super().__init__()
+        self.finished = finished
         self._unheld = {id(p) for p in unheld.values()}
         self._dedicated = dedicated
         self._device = device
@@ -116,8 +128,7 @@ class _ScratchMode(TorchFunctionMode):
                 "Initialize each matrix in one go, or materialize the model with "
                 "Module.to_empty and initialize it outside torchtitan_dmuon's initializing()"
             )
-        if self._current is not None:
-            self._finished.add(self._current)
+        self.finish()
         self._current = name
         self._param = self._scratch = None  # the previous matrix's scratch goes now
         if id(tensor) in self._unheld:
@@ -126,6 +137,14 @@ class _ScratchMode(TorchFunctionMode):
                 torch.empty(local_tensor(tensor).shape, dtype=tensor.dtype, device=self._device),
                 tensor,
             )
+
+    def finish(self) -> None:
+        """Done with the current matrix: hand its scratch to ``finished``."""
+        if self._current is None:
+            return
+        self._finished.add(self._current)
+        if self._scratch is not None:
+            self.finished(self._current, self._scratch)
 
     def _substitute(self, value):
         if isinstance(value, torch.Tensor) and id(value) in self._dedicated:
@@ -158,8 +177,20 @@ def initializing(model: nn.Module) -> Iterator[None]:
         )
     device, unheld = dedication.awaiting_init
     dedicated = {id(model.get_parameter(d.name)): d.name for d in dedication.plan.params}
-    with _ScratchMode(unheld, dedicated, device):
+
+    def keep_pieces(name: str, scratch: torch.Tensor) -> None:
+        for d in dedication.held_pieces(name):
+            piece = d.layout.select(local_tensor(scratch))
+            dedication.start_pieces[dedication.piece_key(d)] = piece.clone()
+
+    mode = _ScratchMode(unheld, dedicated, device, keep_pieces)
+    with mode:
         yield
+    mode.finish()
+    for name in dedication.split_names():  # not initialized: as uninitialized as to_empty's
+        for d in dedication.held_pieces(name):
+            empty = torch.empty(d.layout.local_shape, dtype=d.param.dtype, device=device)
+            dedication.start_pieces.setdefault(dedication.piece_key(d), empty)
     for name, param in unheld.items():
         module, leaf = _module_and_leaf(model, name)
         local = local_tensor(param)
@@ -170,11 +201,14 @@ def initializing(model: nn.Module) -> Iterator[None]:
     dedication.awaiting_init = None
     dedication.bind_params()
     sizes = {d.name: local_tensor(d.param).nbytes for d in dedication.plan.params}
+    held_names = {d.name for u in dedication.units if u.holds for d in u.params}
     held = sum(size for name, size in sizes.items() if name not in unheld)
+    held += sum(piece.nbytes for piece in dedication.start_pieces.values())
     logger.info(
-        "dmuon: started at the plan's size: %d of %d dedicated parameters held here, "
-        "%.1f of %.1f MiB",
-        len(sizes) - len(unheld), len(sizes), held / 2**20, sum(sizes.values()) / 2**20,
+        "dmuon: started at the plan's size: %d of %d dedicated parameters held here (%d "
+        "of them in pieces), %.1f of %.1f MiB",
+        len(held_names), len(sizes), len(held_names & set(unheld)), held / 2**20,
+        sum(sizes.values()) / 2**20,
     )  # fmt: skip
 
 

@@ -22,6 +22,8 @@ momentum.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -147,7 +149,12 @@ class Unit:
 
     # ---- storage ---------------------------------------------------------------------
     @torch.no_grad()
-    def bind(self, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None) -> None:
+    def bind(
+        self,
+        param_dtype: torch.dtype | None,
+        reduce_dtype: torch.dtype | None,
+        value_of: Callable[[DedicatedParam], torch.Tensor] | None = None,
+    ) -> None:
         """Make the whole matrices views of one flat buffer holding their current values
         (tensor-parallel shards: copies, refilled later) and copy the pieces' values (from
         their stacks, not rebound yet) into ``pieces``.
@@ -155,8 +162,11 @@ class Unit:
         Under an FSDP2 ``MixedPrecisionPolicy`` the buffers (what forward uses and what
         is broadcast) are in ``param_dtype`` and the primary keeps a full-precision
         master; gradients are reduced in ``reduce_dtype`` (FSDP2's default: the compute
-        dtype).
+        dtype). ``value_of(d)``: where a matrix's or piece's current value is read
+        (default: its part of the parameter; a model started at the plan's size keeps its
+        pieces apart, see ``meta_init``).
         """
+        value_of = value_of or (lambda d: d.layout.value(d.param))
         self.master_dtype = self.params[0].param.dtype
         compute_dtype = param_dtype or self.master_dtype
         self.reduce_dtype = reduce_dtype or compute_dtype
@@ -168,7 +178,7 @@ class Unit:
                 numel, device = sum(d.numel for d in ds), ds[0].param.device
                 return torch.empty(numel, dtype=compute_dtype, device=device)  # freed below
             # Own storage (a master or the other buffer must not share it).
-            return torch.cat([d.layout.value(d.param).reshape(-1) for d in ds])
+            return torch.cat([value_of(d).reshape(-1) for d in ds])
 
         whole = values([d for d in self.params if not d.layout.is_piece])  # into ``flat``
         pieces = values([d for d in self.params if d.layout.is_piece])  # into ``pieces``
@@ -270,12 +280,15 @@ class Unit:
 
 
 def bind_boundary(
-    units: list[Unit], param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None
+    units: list[Unit],
+    param_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
+    value_of: Callable[[DedicatedParam], torch.Tensor] | None = None,
 ) -> None:
     """Bind one boundary's units (see :meth:`Unit.bind`), then give the parameters that
     refill storage of their own (a stack's pieces share one, across units)."""
     for unit in units:
-        unit.bind(param_dtype, reduce_dtype)
+        unit.bind(param_dtype, reduce_dtype, value_of)
     refilled: dict[str, RefilledParam] = {}
     for unit in units:  # after the units read their values
         for d in unit.params:

@@ -61,9 +61,10 @@ def _dedicated(model: nn.Module):
     dedication = get_dedication(model)
     if dedication is None:  # one data-parallel rank: every value is here, in place
         return set(), {}
-    if any(d.layout.block_dim == 1 for d in dedication.plan.params):
-        # An owner group's column block is no contiguous view of its parameter, which DCP
-        # needs: read and load the bound buffers instead (a collective, as every state_dict).
+    if any(d.layout.is_piece for d in dedication.plan.params):
+        # A piece is no whole parameter: kept apart since the start at the plan's size, or
+        # a column block, no contiguous view of its parameter (which DCP needs). Read and
+        # load the bound buffers (a collective, as every state_dict).
         dedication.lazy_init()
     fqns = {id(p): clean_fqn(n) for n, p in model.named_parameters()}
     every = {clean_fqn(d.name) for unit in dedication.units for d in unit.params}
