@@ -457,12 +457,13 @@ def reference_setup(ns_dtype=torch.bfloat16):
 EXACT_RTOL, EXACT_ATOL = 1e-4, 1e-5
 """What separates two fp32 runs that differ only in the order gradients are summed (a
 rank's share first, then the ranks'), after Newton-Schulz amplifies it."""
-NS_ULPS = {"torch": 4, "gram": 16}
+NS_ULPS = {"torch": 8, "gram": 16}
 """Units in the last place of the Newton-Schulz dtype by which one element of an
 orthogonalized update may differ from the one-process reference's (torch.optim.Muon's
 loop in the same dtype), by backend. Each iteration rounds its products to that dtype,
 and inputs that differ in their last fp32 bits may round either way; Gram NS iterates on
-X X^T, whose rounding the square of X's condition amplifies (why it restarts)."""
+X X^T, whose rounding the square of X's condition amplifies (why it restarts). torch: 8,
+as an AVX2 CPU's emulated bf16 products moved one element of 2048 by 5.6 ulps."""
 
 
 def trained_tolerance(
