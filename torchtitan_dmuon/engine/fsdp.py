@@ -28,6 +28,7 @@ from torch.distributed.fsdp._fully_shard import _fsdp_init
 
 __all__ = [
     "dedicated_names",
+    "innermost_fsdp",
     "install",
     "is_installed",
     "mark_dedicated",
@@ -67,16 +68,25 @@ def _ancestors(name: str) -> list[str]:
     return [".".join(parts[:depth]) for depth in range(len(parts))]
 
 
+def innermost_fsdp(model: nn.Module, module_name: str) -> str | None:
+    """The name of the innermost ``fully_shard`` module covering ``module_name`` (itself
+    or an ancestor), or None."""
+    parts = module_name.split(".") if module_name else []
+    for depth in range(len(parts), -1, -1):
+        name = ".".join(parts[:depth])
+        if isinstance(model.get_submodule(name), FSDPModule):
+            return name
+    return None
+
+
 def mixed_precision_of(model: nn.Module, boundary_name: str) -> tuple:
     """``(param_dtype, reduce_dtype)`` of the innermost ``fully_shard`` call that covers
     the boundary (the boundary itself or an ancestor), or ``(None, None)``."""
-    parts = boundary_name.split(".") if boundary_name else []
-    for depth in range(len(parts), -1, -1):
-        module = model.get_submodule(".".join(parts[:depth]))
-        if isinstance(module, FSDPModule):
-            policy = fully_shard.state(module)._mp_policy
-            return policy.param_dtype, policy.reduce_dtype
-    return None, None
+    name = innermost_fsdp(model, boundary_name)
+    if name is None:
+        return None, None
+    policy = fully_shard.state(model.get_submodule(name))._mp_policy
+    return policy.param_dtype, policy.reduce_dtype
 
 
 # ---- the patch -------------------------------------------------------------------

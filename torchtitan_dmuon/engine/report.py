@@ -297,7 +297,10 @@ def _fsdp_traffic(
         for unit in dedication.plan.units:
             shard_size = dedication.plan.domains[unit.domain].shard_size
             for d in unit.params:
-                under = dedicated_under.setdefault(_innermost_fsdp(model, d.name), {})
+                module = fsdp.innermost_fsdp(model, d.name.rpartition(".")[0])
+                if module is None:
+                    raise ValueError(f"dedicated parameter {d.name!r} is under no fully_shard module")
+                under = dedicated_under.setdefault(module, {})
                 under[d.name] = (local_tensor(d.param), shard_size)
     roots = _top_fsdp_modules(model)
     for name, module in model.named_modules():
@@ -353,15 +356,6 @@ def _padded_shard_numel(shape, world: int) -> int:
     """FSDP2's shard of a parameter: dim 0 padded to a multiple of the mesh size."""
     rows = -(-shape[0] // world)
     return rows * math.prod(shape[1:])
-
-
-def _innermost_fsdp(model: nn.Module, param_name: str) -> str:
-    parts = param_name.split(".")[:-1]
-    for depth in range(len(parts), -1, -1):
-        name = ".".join(parts[:depth])
-        if isinstance(model.get_submodule(name), FSDPModule):
-            return name
-    raise ValueError(f"dedicated parameter {param_name!r} is under no fully_shard module")
 
 
 def _top_fsdp_modules(model: nn.Module) -> set[nn.Module]:
