@@ -299,7 +299,9 @@ def _fsdp_traffic(
             for d in unit.params:
                 module = fsdp.innermost_fsdp(model, d.name.rpartition(".")[0])
                 if module is None:
-                    raise ValueError(f"dedicated parameter {d.name!r} is under no fully_shard module")
+                    raise ValueError(
+                        f"dedicated parameter {d.name!r} is under no fully_shard module"
+                    )
                 under = dedicated_under.setdefault(module, {})
                 under[d.name] = (local_tensor(d.param), shard_size)
     roots = _top_fsdp_modules(model)
