@@ -13,10 +13,15 @@ from torch.distributed.fsdp import fully_shard
 
 from tests.dist import run_distributed
 from tests.models import ExpertBlock, loss_fn, make_model, proj_or_experts_predicate
-from tests.workers import ADAMW_KW, MUON_KW, as_muon_adamw_kwargs, data_for
+from tests.workers import (
+    ADAMW_KW,
+    MUON_KW,
+    as_muon_adamw_kwargs,
+    data_for,
+    saved_optimizer_state,
+)
 from torchtitan_dmuon import Muon, dedicate_params, get_full_param
-from torchtitan_dmuon.optim.normuon import second_moment_shape
-from torchtitan_dmuon.titan.checkpoint import DMuonModelWrapper, as_saved
+from torchtitan_dmuon.titan.checkpoint import DMuonModelWrapper
 
 STACKS = [f"layers.{i}.experts_proj" for i in range(2)]
 
@@ -39,18 +44,8 @@ def _model_and_optimizer(world: int, seed: int):
 
 
 def _optimizer_state(dedication, opt) -> dict:
-    """Each owned matrix's and piece's momentum and second moment as the checkpoint holds
-    them, with the local tensors."""
-    out = {}
-    for entry, master in dedication.primary_params():
-        state = opt.state[entry.param]
-        state.setdefault("momentum_buffer", torch.zeros_like(master))
-        state.setdefault("second_moment", master.new_zeros(second_moment_shape(master.shape)))
-        for key in ("momentum_buffer", "second_moment"):
-            out[f"{key}.{entry.name}"] = as_saved(
-                dedication, entry, state[key], per_row=key == "second_moment"
-            )
-    return out
+    """The saved momenta and second moments, views of the local state (a load fills it)."""
+    return {key: saved for key, (_, _, saved) in saved_optimizer_state(dedication, opt).items()}
 
 
 def _pieces(dedication, opt, key="momentum_buffer") -> dict:

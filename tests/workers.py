@@ -29,6 +29,8 @@ from torchtitan_dmuon import (
 from torchtitan_dmuon.engine.comm import CollectiveCounter
 from torchtitan_dmuon.engine.report import StepCounts, plan_report
 from torchtitan_dmuon.optim.newton_schulz import newton_schulz, resolve_ns_schedule
+from torchtitan_dmuon.optim.normuon import second_moment_shape
+from torchtitan_dmuon.titan.checkpoint import as_saved
 
 MUON_KW = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.01)
 ADAMW_KW = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
@@ -48,6 +50,20 @@ def data_for(step: int, rank: int, world: int, same_data: bool, batch_size: int 
     inputs, targets = batch(100 + step, batch_size * world)
     sl = slice(rank * batch_size, (rank + 1) * batch_size)
     return inputs[sl], targets[sl]
+
+
+def saved_optimizer_state(dedication, opt) -> dict[str, tuple]:
+    """Each owned matrix's, piece's and block's momentum and second moment as a checkpoint
+    holds them (zeros where no step made them): ``{key: (entry, state key, saved)}``."""
+    out = {}
+    for entry, master in dedication.primary_params():
+        state = opt.state[entry.param]
+        state.setdefault("momentum_buffer", torch.zeros_like(master))
+        state.setdefault("second_moment", master.new_zeros(second_moment_shape(master.shape)))
+        for key in ("momentum_buffer", "second_moment"):
+            saved = as_saved(dedication, entry, state[key], per_row=key == "second_moment")
+            out[f"{key}.{entry.name}"] = (entry, key, saved)
+    return out
 
 
 def full_params(model, dedication_names) -> dict[str, torch.Tensor]:

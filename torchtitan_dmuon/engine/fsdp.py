@@ -38,15 +38,23 @@ __all__ = [
 ]
 
 
+def top_fsdp_modules(model: nn.Module) -> list[nn.Module]:
+    """The ``fully_shard`` modules of ``model`` under no other (FSDP2's roots), in module
+    order."""
+    return [
+        module
+        for name, module in model.named_modules()
+        if isinstance(module, FSDPModule)
+        and not any(isinstance(model.get_submodule(a), FSDPModule) for a in _ancestors(name))
+    ]
+
+
 def reset_fsdp_state(model: nn.Module) -> None:
     """``FSDPModule.reset_iter_state`` on each top-most FSDP module of ``model`` (FSDP2
     accepts it on roots only), and the unsharded gradients it keeps dropped."""
-    for name, module in model.named_modules():
-        if isinstance(module, FSDPModule) and not any(
-            isinstance(model.get_submodule(ancestor), FSDPModule) for ancestor in _ancestors(name)
-        ):
-            module.reset_iter_state()
-            _drop_unsharded_grads(module)
+    for module in top_fsdp_modules(model):
+        module.reset_iter_state()
+        _drop_unsharded_grads(module)
 
 
 def _drop_unsharded_grads(root: FSDPModule) -> None:

@@ -35,6 +35,7 @@ from torchtitan_dmuon.engine import fsdp
 from torchtitan_dmuon.engine.dedication import Dedication, dedication_of
 from torchtitan_dmuon.engine.param_layout import local_tensor
 from torchtitan_dmuon.engine.plan import max_over_mean
+from torchtitan_dmuon.engine.unit import unit_dtypes
 from torchtitan_dmuon.optim.newton_schulz import matrix_count
 from torchtitan_dmuon.optim.normuon import second_moment_shape
 from torchtitan_dmuon.optim.sharded_ns import split_ns_bytes
@@ -227,8 +228,7 @@ def _unit_dtypes(model: nn.Module, boundary) -> tuple[torch.dtype, torch.dtype, 
     """``(values, reduce, master)`` dtypes of a boundary's units, as ``Unit.bind`` picks them."""
     param_dtype, reduce_dtype = fsdp.mixed_precision_of(model, boundary.name)
     master = boundary.units[0].params[0].param.dtype
-    values = param_dtype or master
-    return values, reduce_dtype or values, master
+    return (*unit_dtypes(master, param_dtype, reduce_dtype), master)
 
 
 def _other_params_traffic(model: nn.Module, dedication: Dedication, counts: StepCounts) -> Counter:
@@ -304,7 +304,7 @@ def _fsdp_traffic(
                     )
                 under = dedicated_under.setdefault(module, {})
                 under[d.name] = (local_tensor(d.param), shard_size)
-    roots = _top_fsdp_modules(model)
+    roots = set(fsdp.top_fsdp_modules(model))
     for name, module in model.named_modules():
         if not isinstance(module, FSDPModule):
             continue
@@ -358,12 +358,3 @@ def _padded_shard_numel(shape, world: int) -> int:
     """FSDP2's shard of a parameter: dim 0 padded to a multiple of the mesh size."""
     rows = -(-shape[0] // world)
     return rows * math.prod(shape[1:])
-
-
-def _top_fsdp_modules(model: nn.Module) -> set[nn.Module]:
-    tops, covered = set(), set()
-    for module in model.modules():  # parents come before their children
-        if isinstance(module, FSDPModule) and module not in covered:
-            tops.add(module)
-            covered.update(module.modules())
-    return tops

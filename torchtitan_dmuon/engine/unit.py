@@ -31,7 +31,18 @@ from torchtitan_dmuon.engine.comm import flagged_grad_bucket
 from torchtitan_dmuon.engine.param_layout import ParamLayout, local_tensor
 from torchtitan_dmuon.engine.plan import DedicatedParam, UnitPlan
 
-__all__ = ["RefilledParam", "Unit", "bind_boundary", "freed_tensor"]
+__all__ = ["RefilledParam", "Unit", "bind_boundary", "freed_tensor", "unit_dtypes"]
+
+
+def unit_dtypes(
+    master: torch.dtype, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None
+) -> tuple[torch.dtype, torch.dtype]:
+    """``(values, reduce)`` dtypes of a unit of ``master``-dtype parameters under an FSDP2
+    ``MixedPrecisionPolicy``: its buffers (what forward uses, what is broadcast) in
+    ``param_dtype``, its gradients reduced in ``reduce_dtype`` (FSDP2's default: the
+    compute dtype); None: no such policy entry."""
+    values = param_dtype or master
+    return values, reduce_dtype or values
 
 
 def freed_tensor(shape, dtype: torch.dtype, device) -> torch.Tensor:
@@ -168,8 +179,7 @@ class Unit:
         """
         value_of = value_of or (lambda d: d.layout.value(d.param))
         self.master_dtype = self.params[0].param.dtype
-        compute_dtype = param_dtype or self.master_dtype
-        self.reduce_dtype = reduce_dtype or compute_dtype
+        compute_dtype, self.reduce_dtype = unit_dtypes(self.master_dtype, param_dtype, reduce_dtype)
 
         def values(ds: list[DedicatedParam]) -> torch.Tensor | None:
             if not ds:
