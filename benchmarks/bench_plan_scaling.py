@@ -7,15 +7,18 @@ selects what DMuon selects by default (each block's attention and feed-forward m
 and plans their owners with the engine's own planner for FSDP (1 x N) and HSDP (N/8
 replicas x 8 ranks, one node of 8 GPUs per replica), N = 8 ... 1024, twice: one owner
 per matrix (``build_plan`` with ``group_size=1``: LPT by Newton-Schulz FLOPs, one unit
-per boundary and owner) and the planner's own choice (``plan_with_groups``: owner groups
-of the smallest size that balances the plan, what ``dedicate_params`` does by default).
+per boundary and owner) and the planner's own choice (``plan_with_groups``: the owner-group
+size whose busiest rank spends the least modeled time on Newton-Schulz on an H100, its
+products and its groups' Gram all-reduces, what ``dedicate_params`` does by default).
 
 Per layout it reports, over the data-parallel ranks: the max/mean Newton-Schulz FLOPs
 (``ns_flops``), how many ranks own nothing, the max/mean bytes held between steps for
 the dedicated matrices (``Plan.held_bytes``: values at ``--value-bytes`` per element,
 masters and momentum at ``--state-bytes``; TorchTitan's bf16 compute with fp32 master
-and momentum by default) and the busiest rank's held bytes and NS FLOPs per step; prints
-a markdown table and writes ``results.json`` and ``plan_scaling.png`` into ``--out``.
+and momentum by default) and the busiest rank's held bytes, NS FLOPs per step and
+modeled NS time on an H100 (``engine/machine.py``: peak bf16 FLOP/s, Grams at NVLink
+speed within a node); prints a markdown table and writes ``results.json`` and
+``plan_scaling.png`` into ``--out``.
 Counted from the plan, not measured: no step runs.
 """
 
@@ -32,12 +35,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_moe_balance import build_meta_model  # noqa: E402
 
+from torchtitan_dmuon.engine.machine import DEFAULT_GPU  # noqa: E402
 from torchtitan_dmuon.engine.plan import build_plan, max_over_mean, plan_with_groups  # noqa: E402
 from torchtitan_dmuon.titan.config import MODEL_SELECTIONS  # noqa: E402
 
 MODELS = [("llama3", "8B"), ("llama3", "70B")]
 RANKS = [8, 16, 32, 64, 128, 256, 512, 1024]
 GPUS_PER_NODE = 8
+NS_STEPS = 5  # torch.optim.Muon's default
 
 
 def plan_rows(name: str, flavor: str, ranks: list[int], value_bytes: int, state_bytes: int):
@@ -74,7 +79,10 @@ def plan_rows(name: str, flavor: str, ranks: list[int], value_bytes: int, state_
                     idle_ranks=sum(load == 0 for load in ns),
                     held_max_over_mean=max_over_mean(held),
                     held_max_gib=max(held) / 2**30,
-                    ns_max_tflop=max(ns) * 5 / 1e12,  # multiply-adds, 5 NS steps a step
+                    ns_max_tflop=max(ns) * NS_STEPS / 1e12,
+                    ns_modeled_ms=max(plan.modeled_loads(DEFAULT_GPU))
+                    * NS_STEPS
+                    / (DEFAULT_GPU.peak_tflops * 1e9),
                 )
 
 
@@ -128,15 +136,16 @@ def main() -> None:
     print(
         "| model | layout | owners | group size | ranks | matrices | NS max/mean | "
         "ranks owning nothing | held max/mean | busiest rank held GiB | "
-        "busiest rank NS, 10^12 multiply-adds/step |"
+        "busiest rank NS, 10^12 multiply-adds/step | busiest rank NS on an H100, ms "
+        "(modeled) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['model']} | {r['layout']} | {r['owners']} | {r['group_size']} | "
             f"{r['ranks']} | {r['matrices']} | "
             f"{r['ns_max_over_mean']:.2f} | {r['idle_ranks']} | {r['held_max_over_mean']:.2f} | "
-            f"{r['held_max_gib']:.2f} | {r['ns_max_tflop']:.2f} |"
+            f"{r['held_max_gib']:.2f} | {r['ns_max_tflop']:.2f} | {r['ns_modeled_ms']:.2f} |"
         )
     args.out.mkdir(parents=True, exist_ok=True)
     settings = dict(value_bytes=args.value_bytes, state_bytes=args.state_bytes)

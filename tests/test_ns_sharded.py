@@ -4,18 +4,26 @@ and moves the matrix; the choice between them follows the bytes."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils.flop_counter import FlopCounterMode
 
 from tests.dist import run_distributed
 from torchtitan_dmuon.engine.comm import CollectiveCounter
-from torchtitan_dmuon.optim.newton_schulz import newton_schulz, resolve_ns_schedule
+from torchtitan_dmuon.optim.newton_schulz import (
+    newton_schulz,
+    resolve_ns_schedule,
+    split_ns_flops,
+)
 from torchtitan_dmuon.optim.sharded_ns import (
     gathered_newton_schulz,
     sharded_newton_schulz,
     sharded_ns_bytes,
     sharded_ns_method,
+    split_newton_schulz,
 )
 
 SHAPES = [(256, 1024), (1024, 256), (512, 512), (2, 128, 256)]
@@ -107,3 +115,62 @@ def test_method_follows_the_bytes(shape, split_dim, method):
 def test_split_dim_must_be_a_matrix_dim():
     with pytest.raises(ValueError, match="split_dim"):
         sharded_newton_schulz(torch.randn(2, 4, 8), 0, _all_reduce, SCHEDULE)
+
+
+class _ThreadGroup:
+    """SUM-all-reduce among threads, each standing for one member of an owner group."""
+
+    def __init__(self, size: int) -> None:
+        self.slots: list[torch.Tensor | None] = [None] * size
+        self.barrier = threading.Barrier(size)
+
+    def all_reduce(self, member: int, t: torch.Tensor) -> None:
+        self.slots[member] = t
+        self.barrier.wait()
+        total = torch.stack(self.slots).sum(0)  # every member adds in member order
+        self.barrier.wait()
+        t.copy_(total)
+
+
+def _split_run(full: torch.Tensor, split_dim: int, parts: int):
+    """Each member's block of split_newton_schulz and the FLOPs it ran, members as threads."""
+    group = _ThreadGroup(parts)
+    blocks = full.chunk(parts, dim=split_dim)
+    results: list = [None] * parts
+
+    def member(i: int) -> None:
+        with FlopCounterMode(display=False) as flops:
+            out = split_newton_schulz(
+                blocks[i], split_dim, lambda t: group.all_reduce(i, t), SCHEDULE
+            )
+        results[i] = (out, flops.get_total_flops())
+
+    threads = [threading.Thread(target=member, args=(i,)) for i in range(parts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+@pytest.mark.parametrize(
+    "shape, parts",
+    [
+        ((256, 1024), 2),  # blocks 256 x 512: wider than the short side, A^2 formed
+        ((256, 1024), 8),  # blocks 256 x 128: narrower, two products with A instead
+        ((1024, 256), 4),  # split on the rows (the long side)
+        ((512, 512), 2),  # square: split on the columns, 512 x 256 blocks
+        ((2, 128, 512), 8),  # a stack, 128 x 64 blocks
+    ],
+)
+def test_split_ns_equals_whole_matrix_ns(shape, parts):
+    """An owner group's Newton-Schulz: each member's block equals its block of NS of the
+    whole matrix within 1e-5 (fp32), and each member runs the multiply-adds
+    split_ns_flops counts (one fewer power of the short side once the blocks are narrow)."""
+    full = _matrix(shape)
+    split_dim = -2 if shape[-2] > shape[-1] else -1
+    expected = newton_schulz(full, SCHEDULE, dtype=torch.float32).chunk(parts, dim=split_dim)
+    for i, (out, flops) in enumerate(_split_run(full, split_dim, parts)):
+        assert (out - expected[i]).abs().max().item() < 1e-5, i
+        # FlopCounterMode counts the matrix products only (the norm is elementwise).
+        assert flops == split_ns_flops(shape, SCHEDULE.steps, parts), i

@@ -74,13 +74,15 @@ def test_dry_run_from_8_to_1024_ranks(tmp_path):
     line, report = plan_report(8, tmp_path, *fp32)
     assert REPORT.search(first[2]).group(1) == line
     assert report["parts"][0]["summary"]["idle"] == 0 and len(report["parts"][0]["ranks"]) == 8
-    plan, _, output = dry_run(1024, tmp_path, *fp32)
-    # The planner's owner groups: 16 ranks a matrix, each a block (42 x 16 units); the 42
+    # Owner groups of 16 at 1024 ranks, forced (for 256-wide matrices the planner keeps
+    # one owner each: test_owner_groups), each rank a block (42 x 16 units); the 42
     # matrices fill 42 of the 64 groups.
+    groups = (*fp32, "--dmuon.owner_group_size", "16")
+    plan, _, output = dry_run(1024, tmp_path, *groups)
     assert plan == (42, 42, 6, 42 * 16, 1, 1024)
     assert "Z3, owner groups of 16" in output
     assert "352 of 1024 ranks run no Newton-Schulz" in output
-    line, report = plan_report(1024, tmp_path, *fp32)
+    line, report = plan_report(1024, tmp_path, *groups)
     assert REPORT.search(output).group(1) == line
     assert report["parts"][0]["summary"]["idle"] == 352
     assert sum(r["owned"] for r in report["parts"][0]["ranks"]) == 42 * 16
@@ -88,7 +90,7 @@ def test_dry_run_from_8_to_1024_ranks(tmp_path):
     held, total = map(int, STARTED.search(output).groups())
     assert total == 42 and held <= 1
     hsdp = dry_run(64, tmp_path, "--parallelism.data_parallel_replicate_degree", "8")
-    assert hsdp[0] == (42, 42, 6, 42 * 2, 8, 8)  # 64 ranks for 42 matrices: groups of 2
+    assert hsdp[0] == (42, 42, 6, 42, 8, 8)  # the planner's: one owner per matrix
     tp = dry_run(16, tmp_path, "--parallelism.tensor_parallel_degree", "2")
     assert tp[0] == (42, 42, 6, 42, 1, 8)
     moe = dry_run(8, tmp_path, config="train_configs/qwen3_debug_moe.toml")[0]

@@ -195,8 +195,9 @@ def dedicate_params(
         owner_group_size: Ranks that own each plain dense matrix together, each a block
             of it along its long side, running its Newton-Schulz together (it must divide
             the shard size); 1: one owner per matrix; None (the default): the size whose
-            busiest rank has the least Newton-Schulz work (``plan.plan_with_groups``): 1
-            wherever one owner per matrix is balanced, and under tensor parallelism.
+            busiest rank spends the least modeled time on Newton-Schulz on an H100
+            (``plan.plan_with_groups``): 1 wherever one owner per matrix is balanced or
+            the matrices are too small for a group to pay, and under tensor parallelism.
 
     Returns:
         The :class:`Dedication` (also reachable through :func:`get_dedication`).

@@ -278,7 +278,7 @@ class ParamLayout:
 
     def ns_cost(self, steps: int) -> int:
         """Multiply-adds of its Newton-Schulz on its owner (a block's share of its owner
-        group's, with the polynomial every member computes whole)."""
+        group's: :func:`~torchtitan_dmuon.optim.newton_schulz.split_ns_flops`)."""
         if self.block is not None:
             return split_ns_flops(self.shape, steps, self.block[1])
         return ns_flops(self.shape, steps)

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from torchtitan_dmuon.engine.machine import DEFAULT_GPU, GPU
 from torchtitan_dmuon.engine.param_layout import (
     LayoutKind,
     ParamLayout,
@@ -52,6 +53,7 @@ from torchtitan_dmuon.engine.param_layout import (
     split_among_owners,
 )
 from torchtitan_dmuon.optim.newton_schulz import ns_flops, split_ns_flops
+from torchtitan_dmuon.optim.sharded_ns import split_ns_bytes
 
 __all__ = [
     "Boundary",
@@ -439,6 +441,22 @@ class Plan:
                     load[s] += cost
         return load
 
+    def modeled_loads(self, gpu: GPU = DEFAULT_GPU) -> list[int]:
+        """Newton-Schulz per data-parallel rank on ``gpu`` in FLOPs at its peak: the
+        multiply-adds and, for an owner group's block, the wait on its Grams
+        (:func:`group_cost`)."""
+        load = [0] * self.slots
+        for unit in self.units:
+            cost = sum(
+                group_cost(d.layout.shape, d.layout.block[1], gpu)
+                if d.layout.block is not None
+                else d.layout.ns_cost(1)
+                for d in unit.params
+            )
+            for s in self.rank_slots(unit, primary=True):
+                load[s] += cost
+        return load
+
     def balance(self, domain: int | None = None) -> float:
         """Max over mean Newton-Schulz load over all ranks (1.0 is perfect)."""
         return max_over_mean(self.ns_loads(domain))
@@ -470,6 +488,7 @@ def build_plan(
     expert_shard_size: int | None = None,
     expert_columns: Sequence[int] | None = None,
     group_size: int = 1,
+    gpu: GPU = DEFAULT_GPU,
 ) -> Plan:
     """Group the selected matrices by boundary and owner slot.
 
@@ -481,8 +500,8 @@ def build_plan(
     :class:`Plan`) the local experts are placed first and the dense matrices then start
     from the load each rank already has. With ``group_size`` > 1 every dense plain matrix
     whose long side splits evenly is owned by an owner group (see :class:`Plan`): the
-    groups are partitioned by LPT first (each member's share of the cost), then the other
-    dense matrices over the slots.
+    groups are partitioned by LPT first (each member's share of the cost on ``gpu``:
+    :func:`group_cost`), then the other dense matrices over the slots.
 
     Raises:
         ValueError: one boundary's matrices mix dtypes or devices (one flat buffer
@@ -527,7 +546,7 @@ def build_plan(
                     PartitionItem(ns_flops(layout.shape, 1), index[names[name]], stack)
                 )
         elif group_size > 1 and domain == 0 and _groupable(p, group_size):
-            item = PartitionItem(split_ns_flops(p.shape, 1, group_size), index[names[name]])
+            item = PartitionItem(group_cost(p.shape, group_size, gpu), index[names[name]])
             grouped.append((len(entries[0]), item))
             for block in range(group_size):
                 entries[0].append(
@@ -580,6 +599,14 @@ def build_plan(
     return Plan(boundaries, domains, expert_columns if expert_parallel else None, group_size)
 
 
+def group_cost(shape: Sequence[int], group_size: int, gpu: GPU = DEFAULT_GPU) -> int:
+    """A member's share of one Newton-Schulz step of an owner group's matrix on ``gpu``, in
+    FLOPs at its peak: its multiply-adds (:func:`split_ns_flops`) and the all-reduce of the
+    step's Gram over the group, which the next product waits for."""
+    seconds = gpu.all_reduce_seconds(split_ns_bytes(shape, gpu.ns_bytes, 1), group_size)
+    return split_ns_flops(shape, 1, group_size) + gpu.as_flops(seconds)
+
+
 def _groupable(param: nn.Parameter, group_size: int) -> bool:
     """A plain matrix whose long side splits into ``group_size`` equal blocks."""
     return (
@@ -614,30 +641,32 @@ def _assign_dense(
 
 
 GROUP_MARGIN = 0.02
-"""How much less busiest-rank Newton-Schulz a larger owner group must bring to be chosen."""
+"""How much less modeled busiest-rank Newton-Schulz a larger owner group must bring to be
+chosen."""
 
 
-def plan_with_groups(build: Callable[[int], Plan], shard_size: int) -> Plan:
-    """The plan whose busiest rank has the least Newton-Schulz cost (the step waits for
-    it) over owner-group sizes 1, 2, 4, ... dividing ``shard_size``; a larger size only
-    when it saves more than :data:`GROUP_MARGIN`. ``build(group_size)`` builds one.
+def plan_with_groups(build: Callable[[int], Plan], shard_size: int, gpu: GPU = DEFAULT_GPU) -> Plan:
+    """The plan whose busiest rank spends the least modeled time on Newton-Schulz on
+    ``gpu`` (:meth:`Plan.modeled_loads`: the step waits for it) over owner-group sizes 1,
+    2, 4, ... dividing ``shard_size``; a larger size only when it saves more than
+    :data:`GROUP_MARGIN`. ``build(group_size)`` builds one.
 
-    Splitting a matrix among more ranks divides its ``X X^T`` and product work but not
-    the polynomial's ``m^3``, which every member computes: past some size a group costs
-    more than it spreads, and where one owner per matrix is balanced already (8B at 128
-    ranks) it stays.
+    A group divides its matrices' products among its members but all-reduces a
+    ``(short side)^2`` Gram every step, at NVLink speed within a node and at the network's
+    beyond: where one owner per matrix is balanced already (8B at 128 ranks) it stays, and
+    groups rarely reach past a node.
     """
     best = build(1)
-    best_cost = max(best.ns_loads())
+    best_cost = max(best.modeled_loads(gpu))
     size = 2
     while size <= shard_size and shard_size % size == 0:
         plan = build(size)
         if not any(d.layout.block for d in plan.params):
             break  # nothing splits this evenly: larger groups would not either
-        cost = max(plan.ns_loads())
+        cost = max(plan.modeled_loads(gpu))
         if cost < best_cost * (1 - GROUP_MARGIN):
             best, best_cost = plan, cost
         elif cost > 2 * best_cost:
-            break  # the members' whole polynomials dominate from here on
+            break  # the Grams' all-reduces dominate from here on
         size *= 2
     return best

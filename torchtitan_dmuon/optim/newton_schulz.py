@@ -193,9 +193,13 @@ def ns_flops(shape: Sequence[int], steps: int) -> int:
 def split_ns_flops(shape: Sequence[int], steps: int, parts: int) -> int:
     """Multiply-add FLOPs of ``steps`` Newton-Schulz iterations on one of ``parts`` equal
     blocks of an ``(m, n)`` matrix split along its long side, run together
-    (:func:`~torchtitan_dmuon.optim.sharded_ns.split_newton_schulz`): each block's share of
-    ``X X^T`` and of the product with the polynomial, and the whole ``m^3`` polynomial.
+    (:func:`~torchtitan_dmuon.optim.sharded_ns.split_newton_schulz`): per step the block's
+    ``X X^T`` and, for a block ``w = n / parts`` at least ``m`` wide, the whole ``m^3``
+    polynomial and its product with the block (``4 m^2 w + 2 m^3``), for a narrower one
+    two products of ``A`` with the block (``6 m^2 w``).
     """
     rows, cols = shape[-2:]
     m, n = min(rows, cols), max(rows, cols)
-    return matrix_count(shape) * steps * (4 * m * m * n // parts + 2 * m * m * m)
+    w = n // parts
+    per_step = 6 * m * m * w if w < m else 4 * m * m * w + 2 * m * m * m
+    return matrix_count(shape) * steps * per_step

@@ -121,10 +121,17 @@ def split_newton_schulz(
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """This rank's block of :func:`~torchtitan_dmuon.optim.newton_schulz.newton_schulz` of
-    a whole matrix split into equal blocks along its long side (an owner group's matrix),
-    every iteration of it: the torch backend's, step for step, with each step's ``X X^T``
-    a SUM over the blocks (one all-reduce of a ``(short side)^2`` matrix per step, and one
-    of the squared norm first).
+    a whole matrix split into equal blocks along its long side (an owner group's matrix):
+    every iteration ``X <- a X + (b A + c A^2) X`` with ``A = X X^T`` a SUM over the blocks
+    (one all-reduce of a ``(short side)^2`` matrix per step, and one of the squared norm
+    first).
+
+    Each member applies the polynomial to its own ``m x w`` block. When the block is
+    narrower than the short side ``m`` (``w < m``), ``a X + A (b X + c A X)`` is cheaper
+    than forming ``A^2`` (``3 m^2 w`` against ``2 m^2 w + m^3`` multiply-adds): a member's
+    work then falls with the group size instead of stopping at the ``m^3`` every member
+    would compute whole (:func:`~torchtitan_dmuon.optim.newton_schulz.split_ns_flops`).
+    Both are the same polynomial; in fp32 they agree with the torch backend to rounding.
 
     Args:
         block: This rank's ``(rows, cols)`` block (or a ``(batch, rows, cols)`` stack of
@@ -150,11 +157,14 @@ def split_newton_schulz(
     norm = (squares.sqrt() * schedule.norm_scale).clamp(min=eps)
     x = x / norm.reshape(*norm.shape, 1, 1)
     mm = torch.addmm if x.ndim == 2 else torch.baddbmm
+    narrow = x.shape[-1] < x.shape[-2]
     for a, b, c in schedule.coefficients:
         gram = x @ x.mT
         all_reduce(gram)
-        poly = mm(gram, gram, gram, beta=b, alpha=c)
-        x = mm(x, poly, x, beta=a)
+        if narrow:
+            x = mm(x, gram, mm(x, gram, x, beta=b, alpha=c), beta=a)
+        else:
+            x = mm(x, mm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     return x.mT if rows_split else x
 
 

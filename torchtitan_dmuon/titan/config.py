@@ -117,10 +117,11 @@ class DMuon(MuonConfig):
     owner_group_size: int | None = None
     """Ranks that own each dense matrix together, each a block of it along its long side,
     running its Newton-Schulz together (it must divide the shard degree). 1: one owner per
-    matrix. None (the default): the planner's choice, the size whose busiest rank has the
-    least Newton-Schulz work (one owner per matrix wherever that is balanced already, as
-    Llama-3.1 8B at 128 ranks; always under tensor parallelism); the startup line names
-    it."""
+    matrix. None (the default): the planner's choice, the size whose busiest rank spends
+    the least modeled time on Newton-Schulz, its products and its groups' Gram
+    all-reduces on an H100 (engine/machine.py): one owner per matrix wherever that is
+    balanced already (Llama-3.1 8B at 128 ranks) or the matrices are too small to split
+    (the debug models); always under tensor parallelism. The startup line names it."""
 
     split_backward_with_fsdp: bool = False
     """Run a pipeline schedule that splits backward into input and weight passes (zero

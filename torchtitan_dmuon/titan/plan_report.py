@@ -22,45 +22,22 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import logging
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from torchtitan_dmuon.engine import get_dedication
+from torchtitan_dmuon.engine.machine import GPU, GPUS
 from torchtitan_dmuon.engine.report import PlanReport, StepCounts, plan_report
 
 logger = logging.getLogger(__name__)
 
 CONFIG_MODULE = "torchtitan_dmuon.titan.config"
-
-
-@dataclass(frozen=True)
-class GPU:
-    """The stated inputs of the modeled floor.
-
-    Attributes:
-        name: What it is.
-        peak_tflops: Dense bf16 peak, 10^12 FLOP/s.
-        link_gbytes: Bandwidth of one GPU's data-parallel traffic, 10^9 bytes/s (across
-            nodes: its share of the node's network).
-    """
-
-    name: str
-    peak_tflops: float
-    link_gbytes: float
-
-
-GPUS = {
-    # Dense bf16 peak from the data sheets; one 400 Gb/s NIC per GPU (H100 SXM nodes), one
-    # 200 Gb/s NIC per GPU (A800 nodes).
-    "H100": GPU("H100 SXM", 989.0, 50.0),
-    "A800": GPU("A800 SXM", 312.0, 25.0),
-}
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, object]:
@@ -230,8 +207,10 @@ def main(argv: list[str] | None = None) -> int:
             flops_per_token * tokens / (parallel_dims.tp * parallel_dims.pp * parallel_dims.cp)
         )
         gpu = GPUS[args.gpu]
-        gpu = GPU(
-            gpu.name, args.peak_tflops or gpu.peak_tflops, args.link_gbytes or gpu.link_gbytes
+        gpu = dataclasses.replace(
+            gpu,
+            peak_tflops=args.peak_tflops or gpu.peak_tflops,
+            link_gbytes=args.link_gbytes or gpu.link_gbytes,
         )
         out = dict(
             config=str(job_config.job.config_file),
