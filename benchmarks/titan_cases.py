@@ -139,6 +139,17 @@ CASES = [
 OPTIMIZERS = {"dmuon": [], "adamw": ["--optimizer.name", "AdamW"]}
 
 
+def this_machine() -> dict:
+    """The CPU model and capability (which picks the Newton-Schulz dtype), cores, torch."""
+    cpu = [line for line in Path("/proc/cpuinfo").read_text().splitlines() if "model name" in line]
+    return {
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu": cpu[0].split(":", 1)[1].strip() if cpu else platform.processor(),
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+    }
+
+
 def _reason(output: str) -> str:
     """The last error line a failed run printed (its exception, as the launcher logs it)."""
     errors = [
@@ -259,13 +270,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     results = args.out / "results.json"
     rows = json.loads(results.read_text())["rows"] if results.exists() else []
-    cpu = [line for line in Path("/proc/cpuinfo").read_text().splitlines() if "model name" in line]
-    machine = {
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "cpu": cpu[0].split(":", 1)[1].strip() if cpu else platform.processor(),
-        "cores": os.cpu_count(),
-        "torch": torch.__version__,
-    }
+    machine = this_machine()
     print(f"machine: {machine}")
     for case in cases:
         for optimizer in args.optimizers or (["dmuon"] if case.suite == "balance" else OPTIMIZERS):
