@@ -120,6 +120,32 @@ def test_each_mode_selects_its_matrices():
                     "action_head.w2.weight", "action_head.w2.bias"]  # fmt: skip
 
 
+@pytest.mark.parametrize("document", [False, True], ids=["causal", "block_causal"])
+def test_sdpa_path_equals_flex_attention(document):
+    """The SDPA path's attention (masks built eagerly, as dense booleans) equals torch's
+    FlexAttention (eager forward, which runs on CPU) with the same block mask: the
+    encoder's causal mask (one mask for the batch) and the decoder's causal mask within
+    documents (three documents in the second row, split by the end-of-text id)."""
+    from torch.nn.attention.flex_attention import flex_attention
+    from torchtitan.models.attention import get_causal_mask_mod, get_document_mask_mod
+
+    from torchtitan_dmuon.titan.vlm import MaskedSDPA, _eager_mask
+
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(2, 50, (2, 64), generator=g)
+    tokens[0, 20], tokens[1, 40], tokens[1, 50] = 1, 1, 1
+    mods = [get_causal_mask_mod()]
+    if document:
+        mods.append(get_document_mask_mod(tokens, 1))
+    block_mask = _eager_mask(mods, 2 if document else 1, 64, "cpu")
+    q, k, v = (torch.randn(2, 4, 64, 16, generator=g) for _ in range(3))
+    expected = flex_attention(q, k, v, block_mask=block_mask)
+    torch.testing.assert_close(MaskedSDPA()(q, k, v, block_mask=block_mask), expected)
+    if document:  # the masks differ: a query after an end of text sees only its document
+        plain = _eager_mask(mods[:1], 1, 64, "cpu")
+        assert not torch.allclose(MaskedSDPA()(q, k, v, block_mask=plain), expected)
+
+
 def _data_args(assets) -> list[str]:
     return ["--model.hf_assets_path", str(assets / "tokenizer"),
             "--training.dataset_path", str(assets / "data")]  # fmt: skip
@@ -128,6 +154,7 @@ def _data_args(assets) -> list[str]:
 HSDP = ["--parallelism.data_parallel_replicate_degree", "2"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("layout", "ngpu", "modes"),
     [("fsdp", 2, ("trainable", "frozen", "vla")), ("hsdp", 4, ("trainable", "frozen"))],
@@ -305,6 +332,7 @@ def _reference(mode: str, batches: list) -> tuple[list[float], dict]:
     return losses, {n: p.detach() for n, p in model.named_parameters()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["trainable", "frozen", "vla"])
 def test_dmuon_at_two_ranks_equals_one_process_muon_and_adamw(mode, vlm_assets):
     """2 ranks, 3 steps on batches of the shard: DMuon's losses and every parameter equal
