@@ -146,6 +146,25 @@ def test_sdpa_path_equals_flex_attention(document):
         assert not torch.allclose(MaskedSDPA()(q, k, v, block_mask=plain), expected)
 
 
+def test_missing_assets_are_named_by_their_flag(tmp_path, vlm_assets):
+    """A missing tokenizer, one without the image tokens and a missing shard each raise
+    before training, naming the flag and how to generate the assets."""
+    from torchtitan_dmuon.titan import vlm
+
+    cfg = _job_config("trainable")
+    cfg.model.hf_assets_path = str(tmp_path)
+    with pytest.raises(FileNotFoundError, match="--model.hf_assets_path .*vlm_assets"):
+        vlm.build_vlm_tokenizer(cfg)
+    cfg.model.hf_assets_path = str(ROOT / "assets" / "tokenizer")  # the project's: no images
+    with pytest.raises(ValueError, match=r"lacks \['<\|image\|>'"):
+        vlm.build_vlm_tokenizer(cfg)
+    cfg.model.hf_assets_path = str(vlm_assets / "tokenizer")
+    tokenizer = vlm.build_vlm_tokenizer(cfg)
+    cfg.training.dataset_path = str(tmp_path)
+    with pytest.raises(FileNotFoundError, match="--training.dataset_path .*vlm_assets"):
+        vlm.build_vlm_dataloader(1, 0, tokenizer, cfg)
+
+
 def _data_args(assets) -> list[str]:
     return ["--model.hf_assets_path", str(assets / "tokenizer"),
             "--training.dataset_path", str(assets / "data")]  # fmt: skip

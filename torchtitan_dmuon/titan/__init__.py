@@ -81,6 +81,7 @@ def register() -> None:
             extra["model_args"] = vlm.flavors()
             extra["model_cls"] = vlm.model_class()
             extra["build_dataloader_fn"] = vlm.build_vlm_dataloader
+            extra["build_tokenizer_fn"] = vlm.build_vlm_tokenizer
             extra["build_loss_fn"] = vlm.build_vlm_loss
         register_train_spec(
             name,

@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import logging
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -53,6 +54,7 @@ __all__ = [
     "available",
     "build_vlm_dataloader",
     "build_vlm_loss",
+    "build_vlm_tokenizer",
     "flavors",
     "model_class",
 ]
@@ -391,22 +393,57 @@ class _WithActions:
         return input_dict, labels
 
 
-def build_vlm_dataloader(dp_world_size, dp_rank, tokenizer, job_config, infinite=True):
-    """TorchTitan's multimodal loader, after checking the tokenizer has the image tokens;
-    padded positions carry no label, and for a VLA the batches carry the actions."""
-    from torchtitan.experiments.vlm.datasets.mm_datasets import build_mm_dataloader
+_MAKE_ASSETS = (
+    "./scripts/setup.sh (or python -m torchtitan_dmuon.titan.vlm_assets) generates them "
+    "in assets/vlm"
+)
 
-    _register_dataset()
-    added = {t.content for t in tokenizer.tokenizer.get_added_tokens_decoder().values()}
+
+def build_vlm_tokenizer(job_config):
+    """TorchTitan's HF tokenizer, checked to hold the four image tokens.
+
+    Raises:
+        FileNotFoundError: ``[model] hf_assets_path`` has no ``tokenizer.json``.
+        ValueError: The tokenizer lacks an image token, naming the flag.
+    """
+    from torchtitan.components.tokenizer import build_hf_tokenizer
+
     from torchtitan_dmuon.titan.vlm_assets import IMAGE_TOKENS
 
+    path = job_config.model.hf_assets_path
+    if not (Path(path) / "tokenizer.json").is_file():
+        raise FileNotFoundError(
+            f"--model.hf_assets_path {path}: no tokenizer.json there; the VLM's tokenizer "
+            f"(the project's with the image tokens): {_MAKE_ASSETS}"
+        )
+    tokenizer = build_hf_tokenizer(job_config)
+    added = {t.content for t in tokenizer.tokenizer.get_added_tokens_decoder().values()}
     missing = [t for t in IMAGE_TOKENS if t not in added]
     if missing:
         raise ValueError(
-            f"--model.hf_assets_path {job_config.model.hf_assets_path}: the tokenizer lacks "
-            f"{missing}; python -m torchtitan_dmuon.titan.vlm_assets builds one with them "
-            "(assets/vlm/tokenizer)"
+            f"--model.hf_assets_path {path}: the tokenizer lacks {missing}; one with them: "
+            f"{_MAKE_ASSETS}"
         )
+    return tokenizer
+
+
+def build_vlm_dataloader(dp_world_size, dp_rank, tokenizer, job_config, infinite=True):
+    """TorchTitan's multimodal loader; padded positions carry no label, and for a VLA the
+    batches carry the actions.
+
+    Raises:
+        FileNotFoundError: The generated shard is missing, naming the flag.
+    """
+    from torchtitan.experiments.vlm.datasets.mm_datasets import build_mm_dataloader
+
+    _register_dataset()
+    if job_config.training.dataset == DATASET:
+        path = Path(job_config.training.dataset_path or "assets/vlm/data")
+        if not any(path.glob("*.tar")):
+            raise FileNotFoundError(
+                f"--training.dataset_path {path}: no .tar shard of the generated "
+                f"image-caption-action set there: {_MAKE_ASSETS}"
+            )
     dataloader = build_mm_dataloader(dp_world_size, dp_rank, tokenizer, job_config, infinite)
     dataloader.collate_fn = _WithActions(dataloader.collate_fn, job_config.vlm.action_dim)
     return dataloader
