@@ -264,11 +264,12 @@ def _predicate(mode: str):
     return lambda name, param: _matches(name, patterns)
 
 
-def _train_vlm_dmuon(rank: int, world: int, mode: str, batches: list) -> dict:
+def _train_vlm_dmuon(rank: int, world: int, mode: str, batches: list, replicate: int = 1) -> dict:
     """DMuon (fp32 Newton-Schulz) on the debug VLM: the selected matrices dedicated, the
     rest under FSDP2 as the vlm experiment's apply_fsdp shards it (tok_embeddings, each
-    encoder and decoder layer, [norm, output], the root); each rank ``ROWS`` rows of each
-    global batch, its loss sum over the global count of label tokens."""
+    encoder and decoder layer, [norm, output], the root), HSDP with ``replicate`` > 1;
+    each rank ``ROWS`` rows of each global batch, its loss sum over the global count of
+    label tokens."""
     import gc
 
     import torch.distributed as dist
@@ -280,8 +281,16 @@ def _train_vlm_dmuon(rank: int, world: int, mode: str, batches: list) -> dict:
 
     cfg, model = _model(mode, "cpu")
     loss_fn = vlm.build_vlm_loss(cfg)
-    mesh = init_device_mesh("cpu", (world,))
-    dedication = dedicate_params(model, mesh, _predicate(mode))
+    if replicate > 1:
+        mesh = init_device_mesh(
+            "cpu", (replicate, world // replicate), mesh_dim_names=("replicate", "shard")
+        )
+        dedication = dedicate_params(
+            model, mesh["shard"], _predicate(mode), replicate_mesh=mesh["replicate"]
+        )
+    else:
+        mesh = init_device_mesh("cpu", (world,))
+        dedication = dedicate_params(model, mesh, _predicate(mode))
     fully_shard(model.tok_embeddings, mesh=mesh)
     for layer in [*model.encoder.layers.values(), *model.layers.values()]:
         fully_shard(layer, mesh=mesh)
@@ -396,3 +405,23 @@ def test_dmuon_at_two_ranks_equals_one_process_muon_and_adamw(mode, vlm_assets):
         assert encoder_boundaries == [f"encoder.layers.{i}" for i in range(4)]
         adamw = [n for n in sizes if n.startswith("encoder.") and n not in ENCODER]
         assert set(adamw) <= set(result["encoder_in_optimizer"])
+
+
+@pytest.mark.slow
+def test_hsdp_dmuon_at_four_ranks_equals_one_process_muon_and_adamw(vlm_assets):
+    """HSDP 2 x 2 (two-stage reduce: shard group, then replicas), trainable tower, 2 steps:
+    DMuon's losses and every parameter equal torch.optim.Muon + AdamW in one process on
+    the 4 ranks' rows (fp32 Newton-Schulz; rtol 1e-4), every rank holding the same
+    values."""
+    steps = 2
+    batches = _batches(vlm_assets, 4, steps, 0)
+    by_rank = run_distributed(_train_vlm_dmuon, 4, "trainable", batches, 2)
+    expected_losses, reference = _reference("trainable", batches)
+    assert by_rank[0]["losses"] == pytest.approx(expected_losses, rel=1e-4)
+    assert expected_losses[-1] < expected_losses[0]
+    assert by_rank[0]["dedicated"] == sorted(DECODER + ENCODER)
+    for name, value in by_rank[0]["params"].items():
+        torch.testing.assert_close(value, reference[name], rtol=1e-4, atol=1e-5, msg=name)
+    for other in by_rank[1:]:
+        for name, value in other["params"].items():
+            assert torch.equal(value, by_rank[0]["params"][name]), name
