@@ -2,8 +2,8 @@
 # Idempotent fresh-machine setup shared by run_train.sh and run_tests.sh.
 #
 #   scripts/setup.sh         what training needs: the project editable and its dependencies
-#   scripts/setup.sh --dev   also the test, benchmark, HF-backend (transformers) and peer
-#                            extras (run_tests.sh's)
+#   scripts/setup.sh --dev   also the test, benchmark, HF-backend (transformers), VLM
+#                            (einops, Pillow) and peer extras (run_tests.sh's)
 #
 # Creates .venv if absent and installs the project editable.
 # torch is installed first and then frozen with a constraint, so that no later
@@ -27,7 +27,7 @@ log() { echo "[setup] $*" >&2; }
 
 case "${1:-}" in
   "") kind=train; extras="" ;;
-  --dev) kind=dev; extras="[test,bench,hf,peer-muon-fsdp2,peer-dtensor-muon]" ;;
+  --dev) kind=dev; extras="[test,bench,hf,vlm,peer-muon-fsdp2,peer-dtensor-muon]" ;;
   *) echo "[setup] unknown argument '$1' (expected nothing or --dev)" >&2; exit 2 ;;
 esac
 
@@ -55,8 +55,11 @@ ASSETS="$ROOT/assets"
 # assets/ is complete with its tokenizer and the held-out split; one built before the
 # split existed (no heldout/) is rebuilt, so that training never sees the held-out documents.
 assets_ready() { [[ -f "$ASSETS/tokenizer/tokenizer.json" && -f "$ASSETS/heldout/stdlib_docstrings.jsonl" ]]; }
+# The VLM's generated image-caption-action shard and image tokenizer (titan/vlm_assets.py),
+# where Pillow is installed (the vlm extra).
+vlm_assets_ready() { [[ -f "$ASSETS/vlm/data/shard-00000.tar" ]] || ! "$PY" -c "import PIL" 2>/dev/null; }
 if [[ -x "$PY" && ("$have_stamp" == "$want_stamp dev" || "$have_stamp" == "$want_stamp $kind") ]] \
-    && assets_ready; then
+    && assets_ready && vlm_assets_ready; then
   exit 0
 fi
 
@@ -117,6 +120,10 @@ fi
 if ! assets_ready; then
   log "building the training corpus, its held-out split and the tokenizer in $ASSETS"
   "$PY" "$ROOT/torchtitan_dmuon/titan/assets.py" --out "$ASSETS"
+fi
+if ! vlm_assets_ready; then
+  log "generating the VLM image-caption-action shard and image tokenizer in $ASSETS/vlm"
+  "$PY" "$ROOT/torchtitan_dmuon/titan/vlm_assets.py" --out "$ASSETS/vlm" --assets "$ASSETS"
 fi
 
 echo "$want_stamp $kind" >"$STAMP"

@@ -13,7 +13,9 @@
 A new model goes in :data:`MODELS` below, if its parallelize function applies FSDP through
 a module-level ``apply_fsdp`` as TorchTitan's do. TorchTitan's HF backend
 (``transformers_modeling_backend``, ``hf.py``) is wrapped too where ``transformers`` is
-installed, with the flavors of ``hf.py`` (Qwen2.5, Mistral, Llama-3.2) added to its own.
+installed, with the flavors of ``hf.py`` (Qwen2.5, Mistral, Llama-3.2) added to its own,
+and TorchTitan's vlm experiment (``vlm``, ``vlm.py``: frozen or trainable vision tower, a
+VLA's action head, an SDPA path for CPU).
 """
 
 from __future__ import annotations
@@ -61,10 +63,12 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    from torchtitan_dmuon.titan import hf
+    from torchtitan_dmuon.titan import hf, vlm
     from torchtitan_dmuon.titan.parallelize import with_dedication, with_pipeline_stages
 
-    names = [*MODELS, hf.HF_MODEL] if hf.available() else MODELS
+    names = [*MODELS, hf.HF_MODEL] if hf.available() else [*MODELS]
+    if vlm.available():
+        names.append(vlm.VLM_MODEL)
     for name in names:
         spec = get_train_spec(name)
         pipelining_fn = spec.pipelining_fn
@@ -73,6 +77,12 @@ def register() -> None:
             parallelize_fn = hf.with_tied_embeddings(parallelize_fn)
             extra["model_args"] = {**spec.model_args, **hf.family_flavors()}
             extra["model_cls"] = hf.model_class()
+        if name == vlm.VLM_MODEL:  # the modes, the SDPA path, the offline data
+            extra["model_args"] = vlm.flavors()
+            extra["model_cls"] = vlm.model_class()
+            extra["build_dataloader_fn"] = vlm.build_vlm_dataloader
+            extra["build_tokenizer_fn"] = vlm.build_vlm_tokenizer
+            extra["build_loss_fn"] = vlm.build_vlm_loss
         register_train_spec(
             name,
             dataclasses.replace(

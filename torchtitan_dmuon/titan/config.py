@@ -73,6 +73,20 @@ MODEL_SELECTIONS = {
             "model.model.layers.*.mlp.down_proj.weight",
         )
     ),
+    # TorchTitan's vlm experiment (titan/vlm.py): the Llama 3 decoder's matrices and the
+    # SigLIP2 encoder's q/k/v/out_proj and fc1/fc2 weights; a frozen encoder's matches are
+    # left out by dedicate_params (no owner, hook, collective or state). Biases, layer
+    # norms, the patch and position embeddings, the projector and a VLA's action head stay
+    # on AdamW. The encoder layers are hook boundaries as the decoder's (ModuleDict
+    # children).
+    "vlm": ModelSelection(
+        (
+            *DEFAULT_PARAM_PATTERNS,
+            "encoder.layers.*.self_attn.[qkv]_proj.weight",
+            "encoder.layers.*.self_attn.out_proj.weight",
+            "encoder.layers.*.mlp.fc[12].weight",
+        )
+    ),
 }
 """The default selection of each model DMuon wraps (``torchtitan_dmuon.titan.MODELS``):
 what a Muon user picks, the matrices of attention and of the dense and expert FFNs."""
@@ -193,9 +207,73 @@ class HFTransformers:
 
 
 @dataclass
+class VLM:
+    """The modes of TorchTitan's vlm experiment under DMuon (``[model] name = "vlm"``,
+    torchtitan_dmuon/titan/vlm.py)."""
+
+    vision_tower: Literal["trainable", "frozen"] = "trainable"
+    """"trainable": the encoder trains, its q/k/v/out_proj and fc1/fc2 weights under DMuon.
+    "frozen": its parameters do not require gradients; DMuon leaves its matrices out (no
+    owner, hook, collective or optimizer state) and AdamW holds no state for them."""
+
+    attention: Literal["auto", "flex", "sdpa"] = "auto"
+    """The attention kernel of FlexAttention flavors. "sdpa": the same masks (built
+    without torch.compile) as dense tensors for scaled_dot_product_attention (FlexAttention
+    has no CPU backward); "auto": sdpa without CUDA, flex with it."""
+
+    action_dim: int = 0
+    """> 0: a VLA, an action head regressing this many continuous numbers per sample from
+    the final hidden state of its last text token (trained on AdamW); needs
+    [training] dataset = "dmuon-vlm" (data with actions: torchtitan_dmuon.titan.vlm_assets)."""
+
+    action_hidden: int = 256
+    """Hidden width of the action head's two-layer MLP."""
+
+    action_loss_weight: float = 1.0
+    """Weight of the action head's summed squared error in the loss (a sample's error
+    weighs as this many tokens of cross-entropy)."""
+
+    lm_loss_weight: float = 1.0
+    """Weight of the LM cross-entropy; 0 trains a VLA on its actions alone."""
+
+    def __post_init__(self) -> None:
+        """Check the numbers (TOML values reach here unchecked).
+
+        Raises:
+            ValueError: A field is out of range, naming it.
+        """
+        if self.action_dim < 0 or self.action_hidden < 1:
+            raise ValueError(
+                f"[vlm] action_dim must be >= 0 and action_hidden >= 1, got "
+                f"{self.action_dim} and {self.action_hidden}"
+            )
+        if self.action_loss_weight < 0 or self.lm_loss_weight < 0:
+            raise ValueError("[vlm] action_loss_weight and lm_loss_weight must be >= 0")
+
+
+@dataclass
+class Data:
+    """The vlm experiment's ``[data]`` section, as ``torchtitan.experiments.vlm.job_config``
+    declares it (declared again: importing that package imports its datasets)."""
+
+    max_images_per_batch: int = 10
+    """Vision encoder batch size (N)."""
+    max_patches_per_image: int = 256
+    """Vision encoder sequence length (L)."""
+    patch_size: int = 16
+    """Patch size of the vision encoder."""
+    spatial_merge_size: int = 1
+    """Spatially merge visual tokens after the encoder (1: no merging)."""
+    packing_buffer_size: int = 0
+    """> 0: sample packing with a buffer of this many samples."""
+
+
+@dataclass
 class JobConfig:
-    """Adds the [dmuon] section, and the HF backend's [hf_transformers], to TorchTitan's
-    JobConfig."""
+    """Adds the [dmuon] section, the HF backend's [hf_transformers] and the vlm
+    experiment's [data] and [vlm] to TorchTitan's JobConfig."""
 
     dmuon: DMuon = field(default_factory=DMuon)
     hf_transformers: HFTransformers = field(default_factory=HFTransformers)
+    vlm: VLM = field(default_factory=VLM)
+    data: Data = field(default_factory=Data)

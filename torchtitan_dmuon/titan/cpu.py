@@ -8,8 +8,8 @@ TorchTitan targets accelerators. On a machine without one (CI, laptops) this lay
   few functions they call (memory is the process's peak resident set);
 * makes FSDP2 reduce with plain SUM: TorchTitan disables FSDP's gradient division (the
   loss is already normalized over the global batch), which FSDP2 implements with
-  ``PREMUL_SUM``, an op gloo does not have (in llama3's, llama4's and, where
-  ``transformers`` is installed, the HF backend's parallelize modules);
+  ``PREMUL_SUM``, an op gloo does not have (in llama3's, llama4's, the vlm experiment's
+  and, where ``transformers`` is installed, the HF backend's parallelize modules);
 * profiles the CPU alone: TorchTitan's profiler asks for its GPU activity, ``None``
   without a GPU, which ``torch.profiler.profile`` refuses;
 * lets MoE routers count tokens (``torch.histc`` has no integer CPU kernel), keeps
@@ -39,7 +39,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from torchtitan_dmuon.titan import hf
+from torchtitan_dmuon.titan import hf, vlm
 from torchtitan_dmuon.titan.patches import PatchRegistry
 
 logger = logging.getLogger(__name__)
@@ -205,6 +205,11 @@ def enable_cpu_support(patches: PatchRegistry) -> bool:
         import torchtitan.experiments.transformers_modeling_backend.infra.parallelize as hf_par
 
         fsdp_modules.append(hf_par)
+    if vlm.available():
+        # The vlm experiment imported it too (from llama3's module) into its own.
+        import torchtitan.experiments.vlm.infra.parallelize as vlm_par
+
+        fsdp_modules.append(vlm_par)
     for module in fsdp_modules:
         patches.setattr(
             module, "disable_fsdp_gradient_division", _disable_fsdp_gradient_division_with_sum
