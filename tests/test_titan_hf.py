@@ -345,6 +345,23 @@ GPU_CONFIGS = {
 }
 
 
+def test_qk_clip_refuses_the_backends_attention_by_name():
+    """QK-clip watches TorchTitan's attention modules; on the HF backend's model (Qwen2.5's
+    biased q/k included) it refuses by name before the first step instead of leaving the
+    logits unclipped."""
+    from types import SimpleNamespace
+
+    from torchtitan_dmuon.titan.config import DMuon
+    from torchtitan_dmuon.titan.qk_clip import build_qk_clip
+
+    _, model = _meta_model("qwen2.5-debug")
+    with pytest.raises(
+        ValueError, match=r"not model\.model\.layers\.0\.self_attn \(Qwen2Attention\) and 1 more"
+    ):
+        build_qk_clip(model, DMuon(qk_clip_threshold=100.0), SimpleNamespace(cp=1, tp=1))
+    assert build_qk_clip(model, DMuon(), SimpleNamespace(cp=1, tp=1)) is None  # off
+
+
 def test_hf_train_configs_name_their_flavors():
     """The HF TOMLs (debug and GPU) parse with [dmuon] and [hf_transformers] from one
     custom_config_module and name a flavor whose config folder holds their family's

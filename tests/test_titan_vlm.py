@@ -120,6 +120,24 @@ def test_each_mode_selects_its_matrices():
                     "action_head.w2.weight", "action_head.w2.bias"]  # fmt: skip
 
 
+def test_qk_clip_clips_the_decoder_and_refuses_a_trained_tower():
+    """QK-clip reads the decoder's (TorchTitan's llama3) attentions; a frozen tower's
+    attentions need no clip, a trainable tower's (SigLIP2: q/k/v_proj) are refused by name
+    before the first step rather than left unclipped."""
+    from types import SimpleNamespace
+
+    from torchtitan_dmuon.titan.config import DMuon
+    from torchtitan_dmuon.titan.qk_clip import build_qk_clip
+
+    on, layout = DMuon(qk_clip_threshold=100.0), SimpleNamespace(cp=1, tp=1)
+    clip = build_qk_clip(_model("frozen")[1], on, layout)
+    assert [a.module for a in clip.attentions] == [
+        f"layers.{i}.attention.inner_attention" for i in range(6)
+    ]
+    with pytest.raises(ValueError, match=r"not encoder\.\S+ \(Attention\) and 3 more"):
+        build_qk_clip(_model("trainable")[1], on, layout)
+
+
 @pytest.mark.parametrize("document", [False, True], ids=["causal", "block_causal"])
 def test_sdpa_path_equals_flex_attention(document):
     """The SDPA path's attention (masks built eagerly, as dense booleans) equals torch's

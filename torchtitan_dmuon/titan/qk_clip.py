@@ -40,8 +40,10 @@ def _rows(name: str, module: nn.Module, projection: str, rows_per_head: int, par
 
 def _attention(name: str, module: nn.Module, tp: int) -> ClippedAttention | None:
     """``module`` as QK-clip sees it, or None if it is not a TorchTitan attention."""
-    if not hasattr(module, "inner_attention"):
-        return None
+    if not hasattr(module, "inner_attention") or not (
+        hasattr(module, "wq") or hasattr(module, "wkv_b")
+    ):
+        return None  # e.g. SigLIP2's (q/k/v_proj, no n_heads) in the vlm experiment
     if getattr(module, "attn_type", "sdpa") == "varlen":
         raise ValueError(
             f"[dmuon] qk_clip_threshold: {name} runs varlen attention, whose per-document "
@@ -84,7 +86,9 @@ def build_qk_clip(model: nn.Module, settings: DMuon, parallel_dims) -> QKClip | 
     is 0 (off) or the part (a pipeline stage) holds no attention.
 
     Raises:
-        ValueError: QK-clip cannot run on this model or layout, naming why.
+        ValueError: QK-clip cannot run on this model or layout, naming why: among others a
+            trained attention it cannot read (the HF backend's ``self_attn``, SigLIP2's),
+            whose logits would go unclipped.
     """
     if settings.qk_clip_threshold == 0:
         return None
@@ -93,11 +97,22 @@ def build_qk_clip(model: nn.Module, settings: DMuon, parallel_dims) -> QKClip | 
             "[dmuon] qk_clip_threshold: context parallelism is not supported (each rank's "
             "attention sees a slice of the keys, so its maxima are not the heads' maxima)"
         )
-    attentions = [
-        a
-        for a in (_attention(n, m, parallel_dims.tp) for n, m in model.named_modules())
-        if a is not None
-    ]
+    attentions, unread = [], []
+    for name, module in model.named_modules():
+        attention = _attention(name, module, parallel_dims.tp)
+        if attention is not None:
+            attentions.append(attention)
+        elif type(module).__name__.endswith("Attention") and any(
+            p.requires_grad for p in module.parameters()
+        ):
+            unread.append(f"{name} ({type(module).__name__})")
+    if unread:
+        raise ValueError(
+            f"[dmuon] qk_clip_threshold: QK-clip reads TorchTitan's attention modules (their "
+            f"inner_attention), not {unread[0]}"
+            + (f" and {len(unread) - 1} more" if len(unread) > 1 else "")
+            + ": their logits would go unclipped; unset it for this model"
+        )
     if not attentions:
         return None
     return QKClip(model, attentions, settings.qk_clip_threshold, settings.qk_clip_alpha)
