@@ -1,16 +1,20 @@
 """Loss curves per model family, DMuon beside AdamW, on the debug sizes through TorchTitan.
 
     .venv/bin/python benchmarks/bench_families.py --steps 60 --out benchmarks/results/families
+    .venv/bin/python benchmarks/bench_families.py --families qwen2.5-1.5B --nproc 8 \
+        --ns-dtype auto --steps 20   # the real sizes: GPUs (benchmarks/gpu_check_families.sh)
 
 Trains each family's debug config (llama3 through TorchTitan's own model; Qwen2.5, Mistral
 and Llama-3.2 through its HF backend, which needs ``transformers``: ``setup.sh --dev``)
 with ``./run_train.sh`` at ``--nproc`` ranks (FSDP), once with DMuon (the config's
-optimizer, fp32 Newton-Schulz so that the run does not depend on the CPU) and once with
+optimizer; ``--ns-dtype float32`` by default, so that a CPU run does not depend on the
+CPU) and once with
 ``--optimizer.name AdamW`` (the config's AdamW settings for every parameter), the same
 seed, data and schedule. Reads the loss of every step from TorchTitan's log, prints a
 table (first, middle and last step) and writes ``results.json`` and ``loss_curves.png``
 into ``--out``. A benchmark, not a test: the figures depend on the step count and the
-learning rates of the configs, which are not tuned per family.
+learning rates of the configs, which are not tuned per family. A run that fails is kept
+in the results with its last error line, and the others go on.
 """
 
 from __future__ import annotations
@@ -18,28 +22,31 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from titan_cases import LOSS, ROOT, this_machine  # noqa: E402
+from titan_cases import LOSS, failure_reason, run_command, this_machine  # noqa: E402
 
-FAMILIES = {
+DEBUG = {
     "llama3": "train_configs/debug_cpu.toml",
     "qwen2.5": "train_configs/hf_qwen2.5_debug.toml",
     "mistral": "train_configs/hf_mistral_debug.toml",
     "llama3.2": "train_configs/hf_llama3.2_debug.toml",
 }
-OPTIMIZERS = {
-    "dmuon": ["--dmuon.ns_dtype", "float32"],
-    "adamw": ["--optimizer.name", "AdamW"],
+REAL = {  # the published sizes: GPUs only
+    "qwen2.5-1.5B": "train_configs/hf_qwen2.5_1.5b_fsdp.toml",
+    "qwen2.5-7B": "train_configs/hf_qwen2.5_7b_fsdp.toml",
+    "mistral-7B": "train_configs/hf_mistral_7b_fsdp.toml",
+    "llama3.2-3B": "train_configs/hf_llama3.2_3b_fsdp.toml",
 }
+FAMILIES = {**DEBUG, **REAL}
+OPTIMIZERS = ("dmuon", "adamw")
 
 
-def losses(config: str, optimizer: str, args, dump: Path) -> dict[int, float]:
-    """Every step's loss of one run (rank 0's log)."""
+def losses(config: str, optimizer: str, args, dump: Path) -> dict[int, float] | str:
+    """Every step's loss of one run (rank 0's log), or its last error line."""
     cmd = [
         "./run_train.sh",
         "--job.config_file", config,
@@ -48,13 +55,13 @@ def losses(config: str, optimizer: str, args, dump: Path) -> dict[int, float]:
         "--metrics.log_freq", "1",
         "--metrics.no-enable_tensorboard",
         "--checkpoint.no-enable",
-        *OPTIMIZERS[optimizer],
     ]  # fmt: skip
-    env = dict(os.environ, NGPU=str(args.nproc))
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
-    if out.returncode != 0:
-        raise RuntimeError(f"{config} {optimizer} failed:\n{(out.stdout + out.stderr)[-3000:]}")
-    return {int(s): float(v) for s, v in LOSS.findall(out.stdout + out.stderr)}
+    cmd += ["--dmuon.ns_dtype", args.ns_dtype] if optimizer == "dmuon" else []
+    cmd += ["--optimizer.name", "AdamW"] if optimizer == "adamw" else []
+    rc, output = run_command(cmd, dict(os.environ, NGPU=str(args.nproc)), args.timeout)
+    if rc != 0:
+        return failure_reason(output)
+    return {int(s): float(v) for s, v in LOSS.findall(output)}
 
 
 def plot(curves: dict, path: Path) -> None:
@@ -66,7 +73,8 @@ def plot(curves: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(curves), figsize=(4 * len(curves), 3.5), squeeze=False)
     for ax, (family, by_optimizer) in zip(axes[0], curves.items(), strict=True):
         for optimizer, steps in by_optimizer.items():
-            ax.plot(list(steps), list(steps.values()), label=optimizer)
+            if isinstance(steps, dict):  # not a failed run's error line
+                ax.plot(list(steps), list(steps.values()), label=optimizer)
         ax.set_title(family)
         ax.set_xlabel("step")
         ax.set_ylabel("loss")
@@ -77,9 +85,11 @@ def plot(curves: dict, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--families", nargs="+", choices=list(FAMILIES), default=list(FAMILIES))
+    parser.add_argument("--families", nargs="+", choices=list(FAMILIES), default=list(DEBUG))
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--ns-dtype", default="float32", help="DMuon's [dmuon] ns_dtype")
+    parser.add_argument("--timeout", type=int, default=1800, help="seconds per run")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/families"))
     args = parser.parse_args()
     machine = this_machine()
@@ -98,11 +108,18 @@ def main() -> None:
     for family, by_optimizer in curves.items():
         cells = [
             " / ".join(f"{steps[s]:.3f}" for s in (1, middle, args.steps))
+            if isinstance(steps, dict)
+            else f"FAIL: {steps}"
             for steps in by_optimizer.values()
         ]
         print(f"| {family} | {FAMILIES[family]} | {cells[0]} | {cells[1]} |")
     args.out.mkdir(parents=True, exist_ok=True)
-    settings = dict(nproc=args.nproc, steps=args.steps, configs=FAMILIES, overrides=OPTIMIZERS)
+    settings = dict(
+        nproc=args.nproc,
+        steps=args.steps,
+        ns_dtype=args.ns_dtype,
+        configs={f: FAMILIES[f] for f in args.families},
+    )
     (args.out / "results.json").write_text(
         json.dumps(dict(machine=machine, settings=settings, curves=curves), indent=2)
     )

@@ -23,6 +23,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import time
 from dataclasses import dataclass
@@ -150,7 +151,28 @@ def this_machine() -> dict:
     }
 
 
-def _reason(output: str) -> str:
+def run_command(cmd: list[str], env: dict, timeout: int) -> tuple[int, str]:
+    """Run ``cmd`` in the project root: its exit status and output. Past ``timeout``
+    seconds its process group is stopped, SIGTERM first (torchrun passes it on to its
+    ranks, which run in sessions of their own), and the status is 124."""
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        output = proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            output = proc.communicate(timeout=60)[0]
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output = proc.communicate()[0]
+        return 124, output + f"\nTimeoutError: no end after {timeout} s"
+    return proc.returncode, output
+
+
+def failure_reason(output: str) -> str:
     """The last error line a failed run printed (its exception, as the launcher logs it)."""
     errors = [
         line.strip()
@@ -176,13 +198,8 @@ def run_case(case: Case, optimizer: str, dump: Path, timeout: int) -> dict:
     for overrides in case.commands:
         cmd = ["./run_train.sh", "--job.dump_folder", str(dump), *SHORT]
         cmd += [*OPTIMIZERS[optimizer], *overrides]
-        try:
-            proc = subprocess.run(
-                cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
-            )
-            output, rc = output + proc.stdout + proc.stderr, proc.returncode
-        except subprocess.TimeoutExpired:
-            output, rc = output + f"\nTimeoutError: no end after {timeout} s", 124
+        rc, more = run_command(cmd, env, timeout)
+        output += more
         if rc != 0:
             break
     losses = {int(s): float(v) for s, v in LOSS.findall(output)}
@@ -197,7 +214,7 @@ def run_case(case: Case, optimizer: str, dump: Path, timeout: int) -> dict:
         "steps": max(losses) if losses else 0,
         "first_loss": losses[min(losses)] if losses else None,
         "final_loss": losses[max(losses)] if losses else None,
-        "reason": None if rc == 0 and losses else _reason(output),
+        "reason": None if rc == 0 and losses else failure_reason(output),
         "command": " ".join(
             f"NGPU={case.ngpu} ./run_train.sh {' '.join(SHORT)} "
             f"{' '.join(OPTIMIZERS[optimizer] + list(c))}"
