@@ -92,12 +92,7 @@ def test_planner_balances_1024_ranks_and_keeps_128(flavor):
 def test_groups_do_not_pay_for_small_matrices():
     """The debug model's 256-wide matrices at 1024 ranks: a group's Gram all-reduce takes
     longer than the products it splits, so each matrix keeps one owner."""
-    from torchtitan.protocols.train_spec import get_train_spec
-
-    spec = get_train_spec("llama3")
-    with torch.device("meta"):
-        model = spec.model_cls(spec.model_args["debugmodel"])
-    selected = [(n, p) for n, p in model.named_parameters() if p.ndim == 2 and "layers" in n]
+    model, selected = _llama3("debugmodel")
     shape = (256, 256)
     assert group_cost(shape, 2) > ns_flops(shape, 1) > split_ns_flops(shape, 1, 2)
     assert _plan(model, selected, 1, 1024).group_size == 1

@@ -34,6 +34,7 @@ __all__ = [
     "mark_dedicated",
     "mixed_precision_of",
     "reset_fsdp_state",
+    "top_fsdp_modules",
     "unmark_dedicated",
 ]
 

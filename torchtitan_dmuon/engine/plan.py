@@ -431,31 +431,34 @@ class Plan:
                     h.update(repr(key).encode())
         return int.from_bytes(h.digest()[:7], "little")
 
-    def ns_loads(self, domain: int | None = None) -> list[int]:
-        """Newton-Schulz cost per data-parallel rank (of one domain's units, or all)."""
+    def _primary_loads(
+        self, cost: Callable[[ParamLayout], int], domain: int | None = None
+    ) -> list[int]:
+        """``cost`` of each unit's matrices summed on its primary owners, per data-parallel
+        rank (of one domain's units, or all)."""
         load = [0] * self.slots
         for unit in self.units:
             if domain is None or unit.domain == domain:
-                cost = sum(d.layout.ns_cost(1) for d in unit.params)
+                unit_cost = sum(cost(d.layout) for d in unit.params)
                 for s in self.rank_slots(unit, primary=True):
-                    load[s] += cost
+                    load[s] += unit_cost
         return load
+
+    def ns_loads(self, domain: int | None = None) -> list[int]:
+        """Newton-Schulz cost per data-parallel rank (of one domain's units, or all)."""
+        return self._primary_loads(lambda layout: layout.ns_cost(1), domain)
 
     def modeled_loads(self, gpu: GPU = DEFAULT_GPU) -> list[int]:
         """Newton-Schulz per data-parallel rank on ``gpu`` in FLOPs at its peak: the
         multiply-adds and, for an owner group's block, the wait on its Grams
         (:func:`group_cost`)."""
-        load = [0] * self.slots
-        for unit in self.units:
-            cost = sum(
-                group_cost(d.layout.shape, d.layout.block[1], gpu)
-                if d.layout.block is not None
-                else d.layout.ns_cost(1)
-                for d in unit.params
-            )
-            for s in self.rank_slots(unit, primary=True):
-                load[s] += cost
-        return load
+
+        def cost(layout: ParamLayout) -> int:
+            if layout.block is None:
+                return layout.ns_cost(1)
+            return group_cost(layout.shape, layout.block[1], gpu)
+
+        return self._primary_loads(cost)
 
     def balance(self, domain: int | None = None) -> float:
         """Max over mean Newton-Schulz load over all ranks (1.0 is perfect)."""
