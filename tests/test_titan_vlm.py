@@ -192,17 +192,15 @@ HSDP = ["--parallelism.data_parallel_replicate_degree", "2"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("layout", "ngpu", "modes"),
-    [("fsdp", 2, ("trainable", "frozen", "vla")), ("hsdp", 4, ("trainable", "frozen"))],
-)
-def test_modes_train_with_dmuon_and_adamw(layout, ngpu, modes, vlm_assets, tmp_path):
-    """FSDP2 at 2 ranks (every mode; the VLA from vla_debug.toml) and HSDP 2 x 2 (trainable
-    and frozen tower): DMuon and AdamW each train 6 steps, losses finite and falling;
+@pytest.mark.parametrize(("layout", "ngpu"), [("fsdp", 2), ("hsdp", 4)])
+def test_modes_train_with_dmuon_and_adamw(layout, ngpu, vlm_assets, tmp_path):
+    """FSDP2 at 2 ranks and HSDP 2 x 2, every mode (the VLA from vla_debug.toml): DMuon
+    and AdamW each train 6 steps, losses finite and falling;
     DMuon dedicates 66 matrices with the trainable tower and 42 with the frozen one (whose
     frozen encoder matches are left out), and its per-step reduce is exactly those
     matrices' fp32 bytes (21.5 MiB, 19.5 MiB: the frozen tower moves nothing), under HSDP
     plus the owned half across the replicas."""
+    modes = ("trainable", "frozen", "vla")
     runs = {}
     for mode in modes:
         for optimizer in ("DMuon", "AdamW"):
@@ -426,18 +424,19 @@ def test_dmuon_at_two_ranks_equals_one_process_muon_and_adamw(mode, vlm_assets):
 
 
 @pytest.mark.slow
-def test_hsdp_dmuon_at_four_ranks_equals_one_process_muon_and_adamw(vlm_assets):
-    """HSDP 2 x 2 (two-stage reduce: shard group, then replicas), trainable tower, 2 steps:
+@pytest.mark.parametrize("mode", ["trainable", "frozen", "vla"])
+def test_hsdp_dmuon_at_four_ranks_equals_one_process_muon_and_adamw(mode, vlm_assets):
+    """HSDP 2 x 2 (two-stage reduce: shard group, then replicas), every mode, 2 steps:
     DMuon's losses and every parameter equal torch.optim.Muon + AdamW in one process on
     the 4 ranks' rows (fp32 Newton-Schulz; rtol 1e-4), every rank holding the same
     values."""
     steps = 2
-    batches = _batches(vlm_assets, 4, steps, 0)
-    by_rank = run_distributed(_train_vlm_dmuon, 4, "trainable", batches, 2)
-    expected_losses, reference = _reference("trainable", batches)
+    batches = _batches(vlm_assets, 4, steps, 3 if mode == "vla" else 0)
+    by_rank = run_distributed(_train_vlm_dmuon, 4, mode, batches, 2)
+    expected_losses, reference = _reference(mode, batches)
     assert by_rank[0]["losses"] == pytest.approx(expected_losses, rel=1e-4)
     assert expected_losses[-1] < expected_losses[0]
-    assert by_rank[0]["dedicated"] == sorted(DECODER + ENCODER)
+    assert by_rank[0]["dedicated"] == sorted(DECODER + ([] if mode == "frozen" else ENCODER))
     for name, value in by_rank[0]["params"].items():
         torch.testing.assert_close(value, reference[name], rtol=1e-4, atol=1e-5, msg=name)
     for other in by_rank[1:]:
