@@ -39,6 +39,7 @@ __all__ = [
     "MatrixGroup",
     "MuonUpdate",
     "NSFunction",
+    "NS_BATCH_ELEMENTS",
     "PendingGroup",
     "adjusted_lr",
     "apply_muon_update",
@@ -53,6 +54,12 @@ ADJUST_LR_FNS = (None, "original", "match_rms_adamw", "spectral")
 
 NSFunction = Callable[[torch.Tensor], torch.Tensor]
 """Orthogonalizes a 2-D matrix or a 3-D batch (see ``newton_schulz``)."""
+
+NS_BATCH_ELEMENTS = 1 << 26
+"""The most elements (of same-shape matrices) orthogonalized as one batch: small matrices
+still share a kernel launch, while the step's transient memory (the batch, its look-ahead
+and Newton-Schulz's iterates) stays a few times this (256 MiB in fp32), however many
+matrices a rank owns (Llama-3.1 8B over 8 ranks: 21 matrices, 3.3 GiB, a rank)."""
 
 SECOND_MOMENT = "second_moment"
 """NorMuon's state key: one EMA of the mean square per row of each matrix."""
@@ -109,8 +116,11 @@ def muon_update(
     so a step that fails here (on any rank) can be abandoned as if it never ran.
 
     Momentum runs as foreach ops over all matrices; matrices of the same shape, dtype and
-    device are orthogonalized as one batch (profiler ranges ``muon::momentum`` and
-    ``muon::newton_schulz``).
+    device are orthogonalized as one batch of at most :data:`NS_BATCH_ELEMENTS` elements,
+    whose Nesterov look-ahead is formed just before it (profiler ranges ``muon::momentum``
+    and ``muon::newton_schulz``). What lives on beyond a batch is the new momentum and the
+    orthogonalized updates: the phase's memory is those two and a few batches, not a few
+    copies of every matrix the rank steps.
 
     Args:
         params: Matrices (2-D) or stacks of matrices (3-D) to update (read for shapes).
@@ -132,10 +142,12 @@ def muon_update(
         return MuonUpdate([], [], 0)
     with record_function("muon::momentum"):
         new_buffers = torch._foreach_lerp(momentum_buffers, grads, 1 - momentum)
-        updates = torch._foreach_lerp(grads, new_buffers, momentum) if nesterov else new_buffers
     orthogonal: list[torch.Tensor | None] = [None] * len(params)
-    for indices in _buckets(params).values():
-        bucket = [updates[i] for i in indices]
+    for indices in _batches(params):
+        bucket = [new_buffers[i] for i in indices]
+        if nesterov:
+            with record_function("muon::momentum"):
+                bucket = torch._foreach_lerp([grads[i] for i in indices], bucket, momentum)
         with record_function("muon::newton_schulz"):
             if len(indices) == 1:
                 results = [ns(bucket[0])]
@@ -226,11 +238,28 @@ def muon_step(
 
 
 def _buckets(params: Sequence[torch.Tensor]) -> dict[tuple, list[int]]:
-    """Indices of ``params`` by (matrix shape, dtype, device): one batch each."""
+    """Indices of ``params`` by (matrix shape, dtype, device)."""
     buckets: dict[tuple, list[int]] = defaultdict(list)
     for i, p in enumerate(params):
         buckets[(tuple(p.shape[-2:]), p.dtype, p.device)].append(i)
     return buckets
+
+
+def _batches(params: Sequence[torch.Tensor]) -> list[list[int]]:
+    """Indices of ``params`` to orthogonalize together: each bucket of :func:`_buckets` in
+    consecutive runs of at most :data:`NS_BATCH_ELEMENTS` elements (a larger parameter
+    alone: a stack of matrices is never split)."""
+    batches = []
+    for indices in _buckets(params).values():
+        batch, elements = [], 0
+        for i in indices:
+            if batch and elements + params[i].numel() > NS_BATCH_ELEMENTS:
+                batches.append(batch)
+                batch, elements = [], 0
+            batch.append(i)
+            elements += params[i].numel()
+        batches.append(batch)
+    return batches
 
 
 @dataclass
