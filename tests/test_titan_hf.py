@@ -18,6 +18,7 @@ pytest.importorskip("transformers", reason="the HF families need transformers (.
 
 from tests.dist import run_distributed  # noqa: E402
 from tests.test_titan_integration import ROOT, SHORT, run_train, shared_run  # noqa: E402
+from tests.test_titan_variants import _qk_metrics  # noqa: E402
 from tests.workers import (  # noqa: E402
     ADAMW_KW,
     MUON_KW,
@@ -345,21 +346,208 @@ GPU_CONFIGS = {
 }
 
 
-def test_qk_clip_refuses_the_backends_attention_by_name():
-    """QK-clip watches TorchTitan's attention modules; on the HF backend's model (Qwen2.5's
-    biased q/k included) it refuses by name before the first step instead of leaving the
-    logits unclipped."""
-    from types import SimpleNamespace
+def _reference_max_logits(model, inputs, visible):
+    """Each layer's largest logit per query head, by hand: q_proj's and k_proj's outputs
+    (captured in a no-grad forward with ``visible`` as the attention mask, None: causal)
+    rotated by transformers' apply_rotary_pos_emb with the model's rotary_emb, the key
+    heads repeated over their query groups, ``q k^T * scaling`` where ``visible``."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+    outputs, handles = {}, []
+    for i, layer in enumerate(model.layers):
+        for projection in ("q_proj", "k_proj"):
+            handles.append(
+                layer.self_attn.get_submodule(projection).register_forward_hook(
+                    lambda m, a, out, key=(i, projection): outputs.__setitem__(key, out)
+                )
+            )
+    with torch.no_grad():
+        model(inputs, **({} if visible is None else {"attention_mask": visible}))
+    for handle in handles:
+        handle.remove()
+    batch, seq = inputs.shape
+    if visible is None:
+        visible = torch.ones(seq, seq, dtype=torch.bool).tril()
+    cos, sin = model.rotary_emb(outputs[0, "q_proj"], torch.arange(seq)[None])
+    maxima = []
+    for i, layer in enumerate(model.layers):
+        attention = layer.self_attn
+        q, k = (
+            outputs[i, p].view(batch, seq, -1, attention.head_dim).transpose(1, 2)
+            for p in ("q_proj", "k_proj")
+        )
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        k = k.repeat_interleave(attention.num_key_value_groups, dim=1)
+        logits = (q @ k.transpose(-2, -1)) * attention.scaling
+        maxima.append(logits.masked_fill(~visible, -math.inf).amax(dim=(0, 2, 3)))
+    return torch.cat(maxima)
+
+
+def _clip_hf(model, threshold, alpha=0.5):
     from torchtitan_dmuon.titan.config import DMuon
     from torchtitan_dmuon.titan.qk_clip import build_qk_clip
 
-    _, model = _meta_model("qwen2.5-debug")
+    settings = DMuon(qk_clip_threshold=threshold, qk_clip_alpha=alpha)
+    return build_qk_clip(model, settings, types.SimpleNamespace(cp=1, tp=1))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_qk_clip_watches_each_familys_attention_and_reads_its_logits(family):
+    """On each debug family (4 query heads over 2 key heads, head_dim 64), build_qk_clip
+    watches every layer's self_attn through an inner_attention, with q_proj's and
+    k_proj's 64 rows per head (Qwen2.5's biases named); the forward with the watcher is
+    bitwise the plain one, causal (as the backend runs it) and with a boolean 4-D mask (a
+    window of 8 keys for one sequence); the recorded per-head maxima equal the logits
+    computed by hand from q_proj's and k_proj's outputs (rtol 1e-5). Off, nothing changes."""
+    from torchtitan_dmuon.optim.qk_clip import ClippedAttention, HeadRows
+
+    model = _hf_model(f"{family}-debug")
+    assert _clip_hf(model, 0.0) is None
+    inputs, _ = _batch(0, 2)
+    positions = torch.arange(SEQ)
+    window = positions[None, :] > positions[:, None] - 4
+    visible = torch.stack([torch.ones(SEQ, SEQ, dtype=torch.bool), window])
+    visible = (visible & torch.ones(SEQ, SEQ, dtype=torch.bool).tril())[:, None]
+    plain = [model(inputs), model(inputs, attention_mask=visible)]
+
+    clip = _clip_hf(model, 100.0)
+    expected = []
+    for i in range(2):
+        name = f"model.model.layers.{i}.self_attn"
+        expected.append(
+            ClippedAttention(
+                f"{name}.inner_attention",
+                4,
+                tuple(
+                    HeadRows(
+                        f"{name}.{p}.weight",
+                        64,
+                        ((0, 64, role),),
+                        f"{name}.{p}.bias" if family == "qwen2.5" else None,
+                    )
+                    for p, role in (("q_proj", "query"), ("k_proj", "key"))
+                ),
+            )
+        )
+    assert clip.attentions == expected
+    recorded = []
+    for mask, before in zip((None, visible), plain, strict=True):
+        after = model(inputs, **({} if mask is None else {"attention_mask": mask}))
+        assert torch.equal(after, before)
+        recorded.append(clip.maxima(torch.device("cpu")))
+        clip.reset()
+        reference = _reference_max_logits(model, inputs, mask)
+        torch.testing.assert_close(recorded[-1], reference, rtol=1e-5, atol=0)
+    # The window changes the maxima (so the mask was read).
+    assert not torch.equal(recorded[1], recorded[0])
+
+
+def test_qk_clip_step_scales_qwens_heads_and_bounds_the_next_logits():
+    """Qwen2.5 debug with q/k biases of std 1 (the largest logit 3.8), QK-clip at threshold
+    2 and alpha 0.3, one process, every learning rate 0 and the same batch: only the clip
+    changes the model. After one step each query head's q_proj rows and bias entries are
+    scaled by gamma ** 0.3 and each key head's k_proj rows and bias entries by its group's
+    smallest gamma ** 0.7, gamma = min(1, threshold / the hand-computed maximum) (rtol
+    1e-6); every other parameter, and the rows of unclipped heads, are unchanged bitwise.
+    At the next forward, in layer 0 (whose input no clip changes) the key group that had a
+    logit above the threshold has its largest logit at the threshold, the other stays;
+    layer 1's inputs moved with layer 0's output, and the model's largest logit is within
+    1% of the threshold (measured: 2.0084)."""
+    from torchtitan_dmuon import Muon
+
+    threshold, alpha, group = 2.0, 0.3, 2
+    model = _hf_model("qwen2.5-debug")
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for layer in model.layers:
+            for projection in ("q_proj", "k_proj"):
+                bias = layer.self_attn.get_submodule(projection).bias
+                bias.copy_(torch.randn(bias.shape, generator=g))
+    inputs, targets = _batch(0, 2)
+    maxima = _reference_max_logits(model, inputs, None)
+    clip = _clip_hf(model, threshold, alpha)
+    opt = Muon(
+        model,
+        predicate=_predicate,
+        ns_dtype=torch.float32,
+        qk_clip=clip,
+        **dict(MUON_KW, lr=0.0),
+        **as_muon_adamw_kwargs(dict(ADAMW_KW, lr=0.0)),
+    )
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    _loss(model, inputs, targets).backward()
+    opt.step()
+
+    gamma = torch.where(maxima > threshold, threshold / maxima, torch.ones_like(maxima))
+    assert (gamma[:4] < 1).any() and (gamma[:4] == 1).any()  # layer 0: some heads clipped
+    factors = {}
+    for i, layer_gamma in enumerate(gamma.view(2, 4)):
+        name = f"model.model.layers.{i}.self_attn"
+        key_gamma = layer_gamma.view(-1, group).amin(dim=1)
+        for projection, per_head in (
+            ("q_proj", layer_gamma**alpha),
+            ("k_proj", key_gamma ** (1 - alpha)),
+        ):
+            rows = per_head.repeat_interleave(64)
+            factors[f"{name}.{projection}.weight"] = rows[:, None]
+            factors[f"{name}.{projection}.bias"] = rows
+    for name, p in model.named_parameters():
+        if name in factors:
+            factor = factors[name].expand_as(p)
+            torch.testing.assert_close(p.detach(), before[name] * factor, rtol=1e-6, atol=0)
+            assert torch.equal(p.detach()[factor == 1], before[name][factor == 1]), name
+        else:
+            assert torch.equal(p.detach(), before[name]), name
+
+    opt.zero_grad()
+    _loss(model, inputs, targets).backward()
+    after = clip.maxima(torch.device("cpu"))
+    old, new = maxima[:4].view(-1, group), after[:4].view(-1, group)
+    over = (old > threshold).any(dim=1)
+    assert over.any() and not over.all()
+    torch.testing.assert_close(new[over].amax(dim=1), torch.full((int(over.sum()),), threshold))
+    torch.testing.assert_close(new[~over], old[~over], rtol=1e-6, atol=0)
+    assert maxima.max() > 1.5 * threshold and after.max() <= 1.01 * threshold
+
+
+def test_qk_clip_refuses_hf_attention_it_cannot_read_and_leaves_the_model_alone():
+    """An HF attention on another attn_implementation than the backend's sdpa (eager here)
+    and key heads that do not split over TP are refused by name before any step, and the
+    refused model is left as it was (no inner_attention, its attn_implementation kept)."""
+    from torchtitan_dmuon.titan.config import DMuon
+    from torchtitan_dmuon.titan.qk_clip import build_qk_clip
+
+    on = DMuon(qk_clip_threshold=100.0)
+    _, model = _meta_model("mistral-debug")
+    with pytest.raises(ValueError, match=r"4 query and 2 key heads over TP 4"):
+        build_qk_clip(model, on, types.SimpleNamespace(cp=1, tp=4))
+    assert model.model.config._attn_implementation == "sdpa_torchtitan"
+    model.model.config._attn_implementation = "eager"
     with pytest.raises(
-        ValueError, match=r"not model\.model\.layers\.0\.self_attn \(Qwen2Attention\) and 1 more"
+        ValueError, match=r"model\.model\.layers\.0\.self_attn runs attn_implementation 'eager'"
     ):
-        build_qk_clip(model, DMuon(qk_clip_threshold=100.0), SimpleNamespace(cp=1, tp=1))
-    assert build_qk_clip(model, DMuon(), SimpleNamespace(cp=1, tp=1)) is None  # off
+        build_qk_clip(model, on, types.SimpleNamespace(cp=1, tp=1))
+    assert not any(name.endswith("inner_attention") for name, _ in model.named_modules())
+
+
+@pytest.mark.slow
+def test_qk_clip_trains_qwen_through_the_trainer(tmp_path, tmp_path_factory):
+    """Qwen2.5 debug at 2 ranks (FSDP Z3) with QK-clip at 0.3 trains 6 steps through the
+    trainer: step 1 clips all 8 heads (largest logit 0.49) and the logged maximum falls at
+    step 2 (to 0.39); step 1's loss is bitwise the plain run's (the clip follows the
+    update) and step 2's differs. Compiled per block it logged the same maxima (measured,
+    not run here: 39 s)."""
+    plain = shared_run(_plain("qwen2.5"), 2, tmp_path_factory, CONFIGS["qwen2.5"])
+    clipped = run_train(
+        [*SHORT, "--dmuon.qk_clip_threshold", "0.3"], 2, tmp_path / "qk", CONFIGS["qwen2.5"]
+    )
+    assert clipped.returncode == 0, clipped.output[-4000:]
+    assert sorted(clipped.losses) == list(STEPS)
+    assert all(math.isfinite(v) for v in clipped.losses.values()), clipped.losses
+    assert clipped.losses[1] == plain.losses[1] and clipped.losses[2] != plain.losses[2]
+    metrics = _qk_metrics(clipped.output)
+    assert len(metrics) == 6 and metrics[0][1] == 8 and metrics[0][0] > 0.3, metrics
+    assert metrics[1][0] < metrics[0][0], metrics
 
 
 def test_hf_train_configs_name_their_flavors():

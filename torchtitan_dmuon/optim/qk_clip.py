@@ -55,6 +55,7 @@ __all__ = [
     "HeadRows",
     "QKClip",
     "clip_factors",
+    "dense_mask_mod",
     "discard_records",
     "head_max_logits",
     "head_row_factors",
@@ -184,6 +185,23 @@ def head_max_logits(
     return maxima.reshape(heads)
 
 
+def dense_mask_mod(mask: torch.Tensor) -> MaskMod:
+    """A dense boolean attention mask (True: the query sees the key), shaped ``(batch or 1,
+    query heads or 1, q_len, kv_len or more)`` as sdpa takes it, as a ``mask_mod``.
+
+    Raises:
+        ValueError: The mask is not boolean (an additive float mask).
+    """
+    if mask.dtype != torch.bool:
+        raise ValueError(f"qk_clip: the attention mask is {mask.dtype}; QK-clip reads boolean ones")
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        # A dimension of size 1 is broadcast over batches or heads.
+        return mask[b if mask.shape[0] > 1 else 0, h if mask.shape[1] > 1 else 0, q_idx, kv_idx]
+
+    return mask_mod
+
+
 def clip_factors(max_logits: torch.Tensor, threshold: float) -> torch.Tensor:
     """``gamma`` per head: ``threshold / max`` where the maximum exceeds the threshold, else
     1 (fp32)."""
@@ -268,7 +286,8 @@ class ClippedAttention:
         module: Fully qualified name of the module that receives ``(query, key, value)``
             as its first three arguments, shaped ``(batch, heads, seq, dim)``, with the
             softmax scale as keyword ``scale`` (default ``1 / sqrt(dim)``) and either a
-            FlexAttention ``block_mask`` keyword or ``is_causal`` (default True).
+            FlexAttention ``block_mask`` keyword, a boolean ``attn_mask``
+            (:func:`dense_mask_mod`) or ``is_causal`` (default True).
         query_heads: The query heads that module receives on this rank (under tensor
             parallelism, this rank's share).
         weights: The layout of its query and key projections (:class:`HeadRows`, each
@@ -472,13 +491,18 @@ def _observer(recorded: torch.Tensor, chunk_elements: int):
             return
         if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
             return
-        block_mask = kwargs.get("block_mask")
+        block_mask, attn_mask = kwargs.get("block_mask"), kwargs.get("attn_mask")
+        mask_mod = None
+        if block_mask is not None:
+            mask_mod = block_mask.mask_mod
+        elif attn_mask is not None:
+            mask_mod = dense_mask_mod(attn_mask)
         maxima = head_max_logits(
             args[0],
             args[1],
             scale=kwargs.get("scale"),
             causal=kwargs.get("is_causal", True),
-            mask_mod=block_mask.mask_mod if block_mask is not None else None,
+            mask_mod=mask_mod,
             chunk_elements=chunk_elements,
         )
         torch.maximum(recorded, maxima, out=recorded)

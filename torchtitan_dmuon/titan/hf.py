@@ -13,7 +13,7 @@ Parameter names are the ``transformers`` ones under the backend's wrapper,
 ``model.model.layers.N.self_attn.q_proj.weight``; the default ``[dmuon]`` selection
 (``MODEL_SELECTIONS["transformers_modeling_backend"]`` in ``config.py``) takes the
 attention and MLP matrices, AdamW the biases, norms, embeddings and ``lm_head`` (tied or
-not).
+not). QK-clip watches the ``self_attn`` modules (``titan/qk_clip.py``).
 
 Needs ``transformers`` (``pip install -e .[hf]``; ``scripts/setup.sh --dev`` installs it):
 :func:`available` says whether it is installed, and nothing here is imported without it.
