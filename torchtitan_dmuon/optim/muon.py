@@ -11,9 +11,9 @@ For each matrix parameter ``p`` with gradient ``g`` and momentum buffer ``buf``:
 A 3-D parameter is a stack of independent matrices (MoE experts stored as one
 ``(experts, rows, cols)`` tensor): each matrix of the stack is orthogonalized on its own, as
 if it were a separate parameter. Matrices of the same shape, from any parameters, run as
-one batch. A step runs in two phases: :func:`muon_update` computes the new momentum and
-the orthogonalized updates without changing anything, :func:`apply_muon_update` writes
-them, so a distributed step can agree that every rank's first phase succeeded before any
+one batch. A step runs in two phases: :func:`muon_update` computes the orthogonalized
+updates without changing anything, :func:`apply_muon_update` advances the momentum and
+writes them, so a distributed step can agree that every rank's first phase succeeded before any
 rank changes its state. :func:`compute_group` and :func:`commit_group` run those two
 phases on a :class:`MatrixGroup` with the optimizer's per-parameter state (momentum, and
 NorMuon's second moment). This module does not import ``torch.distributed``: the ownership
@@ -88,16 +88,20 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) -> fl
 class MuonUpdate:
     """The first phase of a Muon step, computed without touching its inputs.
 
+    The new momentum is not kept: :func:`apply_muon_update` advances the buffers in place
+    with the same ``lerp``, bitwise what this phase formed, so the phase holds one copy of
+    the matrices (the updates) rather than two.
+
     Attributes:
-        momentum_buffers: The new momentum buffers, one per matrix parameter.
         orthogonal: The orthogonalized updates, one per matrix parameter.
+        momentum: The EMA momentum factor the updates were formed with.
         matrices: How many matrices were orthogonalized (a 3-D stack counts each).
         second_moments: NorMuon's new second moments (``orthogonal`` then holds the
             normalized updates); None for Muon.
     """
 
-    momentum_buffers: list[torch.Tensor]
     orthogonal: list[torch.Tensor]
+    momentum: float
     matrices: int
     second_moments: list[torch.Tensor] | None = None
 
@@ -115,12 +119,11 @@ def muon_update(
     """Momentum and Newton-Schulz of each matrix, out of place: nothing it reads changes,
     so a step that fails here (on any rank) can be abandoned as if it never ran.
 
-    Momentum runs as foreach ops over all matrices; matrices of the same shape, dtype and
-    device are orthogonalized as one batch of at most :data:`NS_BATCH_ELEMENTS` elements,
-    whose Nesterov look-ahead is formed just before it (profiler ranges ``muon::momentum``
-    and ``muon::newton_schulz``). What lives on beyond a batch is the new momentum and the
-    orthogonalized updates: the phase's memory is those two and a few batches, not a few
-    copies of every matrix the rank steps.
+    Matrices of the same shape, dtype and device are orthogonalized as one batch of at
+    most :data:`NS_BATCH_ELEMENTS` elements, whose new momentum and Nesterov look-ahead are
+    formed (foreach ops) just before it (profiler ranges ``muon::momentum`` and
+    ``muon::newton_schulz``). Only the orthogonalized updates outlive their batch: the
+    phase holds one copy of the matrices the rank steps and a few batches.
 
     Args:
         params: Matrices (2-D) or stacks of matrices (3-D) to update (read for shapes).
@@ -139,15 +142,16 @@ def muon_update(
                 f"Muon updates 2-D matrices or 3-D stacks of matrices, got shape {tuple(p.shape)}"
             )
     if not params:
-        return MuonUpdate([], [], 0)
-    with record_function("muon::momentum"):
-        new_buffers = torch._foreach_lerp(momentum_buffers, grads, 1 - momentum)
+        return MuonUpdate([], momentum, 0)
     orthogonal: list[torch.Tensor | None] = [None] * len(params)
     for indices in _batches(params):
-        bucket = [new_buffers[i] for i in indices]
-        if nesterov:
-            with record_function("muon::momentum"):
-                bucket = torch._foreach_lerp([grads[i] for i in indices], bucket, momentum)
+        with record_function("muon::momentum"):
+            batch_grads = [grads[i] for i in indices]
+            bucket = torch._foreach_lerp(
+                [momentum_buffers[i] for i in indices], batch_grads, 1 - momentum
+            )
+            if nesterov:
+                bucket = torch._foreach_lerp(batch_grads, bucket, momentum)
         with record_function("muon::newton_schulz"):
             if len(indices) == 1:
                 results = [ns(bucket[0])]
@@ -160,12 +164,13 @@ def muon_update(
         for i, result in zip(indices, results, strict=True):
             orthogonal[i] = result
     matrices = sum(matrix_count(p.shape) for p in params)
-    return MuonUpdate(new_buffers, orthogonal, matrices)
+    return MuonUpdate(orthogonal, momentum, matrices)
 
 
 @torch.no_grad()
 def apply_muon_update(
     params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
     momentum_buffers: Sequence[torch.Tensor],
     update: MuonUpdate,
     *,
@@ -174,13 +179,14 @@ def apply_muon_update(
     adjust_lr_fn: str | None,
     shapes: Sequence[Sequence[int]] | None = None,
 ) -> None:
-    """The second phase, in place: the new momentum into ``momentum_buffers``, decoupled
-    weight decay, then each orthogonalized update with its shape-adjusted learning rate
-    (profiler range ``muon::update``).
+    """The second phase, in place: ``momentum_buffers`` advanced from ``grads`` as
+    :func:`muon_update` formed them, decoupled weight decay, then each orthogonalized
+    update with its shape-adjusted learning rate (profiler range ``muon::update``).
 
     Args:
         params: The matrices :func:`muon_update` was given.
-        momentum_buffers: Their momentum buffers, overwritten.
+        grads: Their gradients, as :func:`muon_update` read them.
+        momentum_buffers: Their momentum buffers, advanced in place.
         update: What :func:`muon_update` returned for them.
         lr: Learning rate before the shape adjustment.
         weight_decay: Decoupled weight decay coefficient.
@@ -191,7 +197,7 @@ def apply_muon_update(
     if not params:
         return
     with record_function("muon::update"):
-        torch._foreach_copy_(list(momentum_buffers), update.momentum_buffers)
+        torch._foreach_lerp_(list(momentum_buffers), list(grads), 1 - update.momentum)
         for indices in _buckets(params).values():
             bucket = [params[i] for i in indices]
             if weight_decay != 0:
@@ -227,6 +233,7 @@ def muon_step(
     )
     apply_muon_update(
         params,
+        grads,
         momentum_buffers,
         update,
         lr=lr,
@@ -359,6 +366,7 @@ def commit_group(
                 old.copy_(moment)
     apply_muon_update(
         group.params,
+        group.grads,
         pending.momentum_buffers,
         update,
         lr=lr,
