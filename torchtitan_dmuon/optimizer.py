@@ -290,8 +290,8 @@ class Muon(torch.optim.Optimizer):
         Distributed, each rank orthogonalizes only the matrices it owns (those whose
         reduced gradient it holds); the new values reach the other ranks by broadcast.
 
-        Transactional: every rank first computes its new momentum and orthogonalized
-        updates without changing anything, then the ranks of the dedication agree (one
+        Transactional: every rank first computes its orthogonalized updates without
+        changing anything, then the ranks of the dedication agree (one
         small all-reduce per group) that all of them succeeded; only then does any rank
         write its parameters, momentum and AdamW state. If one rank fails in the first
         phase, every rank raises :class:`MuonStepError` and all state is as before the

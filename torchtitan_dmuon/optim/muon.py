@@ -313,9 +313,10 @@ def compute_group(
     nesterov: bool,
     normuon_beta2: float | None,
 ) -> PendingGroup:
-    """The first phase of a step of ``group``: new momentum (and, with ``normuon_beta2``,
-    NorMuon's second moments and normalized updates) from ``state``, which it only reads:
-    a first step's buffers start at zero and join the state at :func:`commit_group`."""
+    """The first phase of a step of ``group``: its orthogonalized updates (and, with
+    ``normuon_beta2``, NorMuon's second moments and normalized updates) from ``state``,
+    which it only reads: a first step's buffers start at zero and join the state at
+    :func:`commit_group`."""
     bufs = [state[key].get("momentum_buffer") for key in group.keys]
     bufs = [
         b if b is not None else torch.zeros_like(p) for b, p in zip(bufs, group.params, strict=True)
@@ -350,8 +351,8 @@ def commit_group(
     weight_decay: float,
     adjust_lr_fn: str | None,
 ) -> int:
-    """The second phase: the new momentum and second moments into ``state``, then the
-    update into the group's ``params``.
+    """The second phase: the momentum advanced and the second moments into ``state``,
+    then the update into the group's ``params``.
 
     Returns:
         The number of matrices orthogonalized.
