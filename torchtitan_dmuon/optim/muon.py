@@ -13,8 +13,8 @@ A 3-D parameter is a stack of independent matrices (MoE experts stored as one
 if it were a separate parameter. Matrices of the same shape, from any parameters, run as
 one batch. A step runs in two phases: :func:`muon_update` computes the orthogonalized
 updates without changing anything, :func:`apply_muon_update` advances the momentum and
-writes them, so a distributed step can agree that every rank's first phase succeeded before any
-rank changes its state. :func:`compute_group` and :func:`commit_group` run those two
+writes them, so a distributed step can agree that every rank's first phase succeeded
+before any rank changes its state. :func:`compute_group` and :func:`commit_group` run those two
 phases on a :class:`MatrixGroup` with the optimizer's per-parameter state (momentum, and
 NorMuon's second moment). This module does not import ``torch.distributed``: the ownership
 engine decides which matrices a rank steps.
@@ -59,7 +59,7 @@ NS_BATCH_ELEMENTS = 1 << 26
 """The most elements (of same-shape matrices) orthogonalized as one batch: small matrices
 still share a kernel launch, while the step's transient memory (the batch, its look-ahead
 and Newton-Schulz's iterates) stays a few times this (256 MiB in fp32), however many
-matrices a rank owns (Llama-3.1 8B over 8 ranks: 21 matrices, 3.3 GiB, a rank)."""
+matrices a rank owns (Llama-3.1 8B over 8 ranks: 21 matrices, 3.2 GiB, a rank)."""
 
 SECOND_MOMENT = "second_moment"
 """NorMuon's state key: one EMA of the mean square per row of each matrix."""
