@@ -7,11 +7,7 @@
 # Usage: bash benchmarks/gpu_check_cases.sh OUT_DIR   (or with $OUT set); PYTHON picks the
 # interpreter (default .venv/bin/python).
 set -uo pipefail
-out="${1:-${OUT:-}}"
-[ -n "$out" ] || { echo "usage: $0 OUT_DIR (or set OUT)" >&2; exit 2; }
-mkdir -p "$out"
-out="$(cd "$out" && pwd)"
-cd "$(dirname "$0")/.."
+source "$(dirname "$0")/gpu_check_out.sh"
 py="${PYTHON:-.venv/bin/python}"
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
 declare -A ranks=(

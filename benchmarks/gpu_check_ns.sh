@@ -9,14 +9,7 @@
 # Exit status: 0 when every step passed, 1 otherwise; the logs say which.
 set -uo pipefail
 
-out="${1:-${OUT:-}}"
-if [ -z "$out" ]; then
-    echo "usage: $0 OUT_DIR (or set OUT)" >&2
-    exit 2
-fi
-mkdir -p "$out"
-out="$(cd "$out" && pwd)"
-cd "$(dirname "$0")/.."
+source "$(dirname "$0")/gpu_check_out.sh"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 py="${PYTHON:-python3}"
 start=$SECONDS

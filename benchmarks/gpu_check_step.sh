@@ -8,11 +8,7 @@
 # Usage: bash benchmarks/gpu_check_step.sh OUT_DIR   (or with $OUT set); PYTHON picks the
 # interpreter (default .venv/bin/python). QUICK=1 shrinks everything (a CPU dry run).
 set -uo pipefail
-out="${1:-${OUT:-}}"
-[ -n "$out" ] || { echo "usage: $0 OUT_DIR (or set OUT)" >&2; exit 2; }
-mkdir -p "$out"
-out="$(cd "$out" && pwd)"
-cd "$(dirname "$0")/.."
+source "$(dirname "$0")/gpu_check_out.sh"
 py="${PYTHON:-.venv/bin/python}"
 status=0
 if [ -n "${QUICK:-}" ]; then
