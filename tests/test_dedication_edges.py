@@ -353,7 +353,7 @@ def bucket_bytes_worker(rank, world, layers):
 
     def counted(unit):
         pending = reduce_to_column(unit)
-        live = dedication.driver._reduces + [pending]
+        live = dedication.driver.pending_reduces() + [pending]
         held.append(
             sum(p.bucket.nbytes for p in live if p.bucket is not None and not p.unit.primary)
         )

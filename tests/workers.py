@@ -115,7 +115,6 @@ def train_dmuon(
     record_events_at=None,
     meta_init=False,
     checkpoint_blocks=False,
-    skewed_prefetch=False,
     fail_before_step=None,
     fail_step_at=None,
     ep=1,
@@ -127,9 +126,7 @@ def train_dmuon(
     ``hsdp_shape=(R, G)`` trains on a (replicate, shard) mesh; ``snapshot_at`` reads every
     dedicated value after that step (as a checkpoint save would); ``record_events_at``
     records the replicate-broadcast events from that step's optimizer step through the
-    next forward; ``skewed_prefetch`` makes the forward prefetch decision (does the next
-    boundary's replica value land in time?) differ between the ranks of each shard group,
-    as timing can. ``fsdp="blocks"`` shards the blocks only (embedding, norm and head
+    next forward. ``fsdp="blocks"`` shards the blocks only (embedding, norm and head
     under no FSDP module); ``meta_init="swap"`` materializes with ``swap_tensors`` (as
     tensor-subclass parameters force), ``meta_init="plan"`` with ``materialize`` (at the
     plan's size); ``fail_before_step`` runs one pass whose backward
@@ -176,8 +173,6 @@ def train_dmuon(
         expert_mesh=expert_mesh,
         owner_group_size=owner_group_size,
     )
-    if skewed_prefetch:
-        dedication.exchange.replicas_landed = lambda units: rank % 2 == 1
     if fsdp:
         fsdp_kwargs = {"mesh": fsdp_mesh}
         if mp_policy is not None:

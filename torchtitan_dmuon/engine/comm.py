@@ -18,12 +18,15 @@ __all__ = [
     "CollectiveCounter",
     "CommStats",
     "ShardGroups",
+    "all_gather_into",
     "all_gather_rows",
+    "all_reduce",
     "all_reduce_sum",
     "broadcast",
     "engine_group",
     "flagged_grad_bucket",
     "gather_over_groups",
+    "group_timeout",
     "is_fake",
     "mesh_device",
     "reduce_sum",
@@ -85,7 +88,7 @@ def engine_group(
     ranks = dist.get_process_group_ranks(group)
     if members is not None:
         ranks = ranks[members]
-    timeout = _timeout(group)
+    timeout = group_timeout(group)
     retired = _RETIRED.get((tuple(ranks), description), [])
     while retired:  # every member removed the same dedications: each takes the same one
         reused = retired.pop()
@@ -105,7 +108,7 @@ def retire_groups(groups: list[dist.ProcessGroup]) -> None:
         _RETIRED.setdefault(key, []).append(group)
 
 
-def _timeout(group: dist.ProcessGroup):
+def group_timeout(group: dist.ProcessGroup):
     """``group``'s collective timeout, or None (the backend's default) where its backend
     does not say."""
     for device in group._device_types:
@@ -164,8 +167,28 @@ def all_reduce_sum(
     tensor: torch.Tensor, group: dist.ProcessGroup | None, stats: CommStats
 ) -> dist.Work:
     """Asynchronously SUM-all-reduce ``tensor`` (``group=None``: the default group)."""
-    stats.record("all_reduce", tensor)
-    return dist.all_reduce(tensor, group=group, op=dist.ReduceOp.SUM, async_op=True)
+    return all_reduce(tensor, group, stats)
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    stats: CommStats,
+    kind: str = "all_reduce",
+    op: dist.ReduceOp = dist.ReduceOp.SUM,
+) -> dist.Work:
+    """Asynchronously all-reduce ``tensor`` in place with ``op``; counted as ``kind``."""
+    stats.record(kind, tensor)
+    return dist.all_reduce(tensor, group=group, op=op, async_op=True)
+
+
+def all_gather_into(
+    out: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup, stats: CommStats, kind: str
+) -> dist.Work:
+    """Asynchronously gather every rank's ``tensor`` into ``out`` (rank-major); counted as
+    ``kind`` by its output."""
+    stats.record(kind, out)
+    return dist.all_gather_into_tensor(out, tensor, group=group, async_op=True)
 
 
 class CollectiveCounter:

@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
 from torchtitan_dmuon.engine import comm, fsdp
+from torchtitan_dmuon.engine.boundary import BoundaryState
 from torchtitan_dmuon.engine.exchange import Exchange, PendingReduce
 from torchtitan_dmuon.engine.hooks import HookDriver
 from torchtitan_dmuon.engine.param_layout import (
@@ -281,7 +282,11 @@ class Dedication:
         self.start_pieces: dict[tuple, torch.Tensor] = {}
         self._on_remove: list = []
         fsdp.mark_dedicated(model, [d.name for d in plan.params])
-        self.driver = HookDriver(self, plan.boundaries)
+        pairs = enumerate(zip(plan.boundaries, self.boundary_units, strict=True))
+        states = [
+            BoundaryState(b, boundary, units, self.exchange) for b, (boundary, units) in pairs
+        ]
+        self.driver = HookDriver(self, states)
         self.driver.register(model)
         self.bind_params()
         _DEDICATIONS[model] = self

@@ -9,7 +9,8 @@ Under HSDP (``Replicas``) each owner column exists once per replica: gradients a
 summed inside each shard group are summed once more across the replicate group onto the
 primary replica, and after the step the primary's new values are broadcast to its column
 in the other replicas, synchronously or (``replicate_async``) in the background, each
-unit's broadcast waited on right before the unit is next read.
+unit's broadcast waited on by the gather stream right before the unit is next gathered.
+Which stream waits for which collective is in :mod:`~torchtitan_dmuon.engine.streams`.
 
 Under tensor parallelism (``TensorParallelNS``) a matrix is split along one dim over the TP
 group; its owner column's TP ranks each keep their shard, receive its reduced gradient and
@@ -31,6 +32,7 @@ from torch.profiler import record_function
 
 from torchtitan_dmuon.engine import comm
 from torchtitan_dmuon.engine.comm import CommStats, ShardGroups
+from torchtitan_dmuon.engine.streams import EngineStreams
 from torchtitan_dmuon.engine.unit import Unit
 from torchtitan_dmuon.optim.sharded_ns import (
     SHARDED_BACKENDS,
@@ -69,10 +71,13 @@ class PendingReduce:
     to_column: dist.Work
     to_primary: dist.Work | None = None
 
+    def works(self) -> list[dist.Work]:
+        return [self.to_column] + ([self.to_primary] if self.to_primary is not None else [])
+
     def wait(self) -> None:
-        self.to_column.wait()
-        if self.to_primary is not None:
-            self.to_primary.wait()
+        """Make the current stream wait for both stages."""
+        for work in self.works():
+            work.wait()
 
 
 class Exchange:
@@ -88,6 +93,9 @@ class Exchange:
         owner_group: The owner group this rank is a member of (:class:`OwnerGroup`),
             or None with one owner per matrix.
         stats: Bytes and calls per collective kind.
+        device: Where the dedication's buffers live and every tensor handed to its
+            collectives is made.
+        streams: The gather and reduce streams on ``device``.
     """
 
     def __init__(
@@ -100,6 +108,8 @@ class Exchange:
         group_size: int = 1,
     ) -> None:
         self.stats = stats
+        self.device = comm.mesh_device(mesh)
+        self.streams = EngineStreams(self.device)
         # Created in one order on every rank (dense shard and reduce, replicate, the
         # experts', TP), as engine_group's local synchronization needs.
         self.domains = [ShardGroups(mesh, "")]
@@ -168,23 +178,44 @@ class Exchange:
         replicate = [self.replicas.group] if self.replicas is not None else []
         return [self.domains[0].reduce_group] + replicate
 
-    def gather(self, unit: Unit) -> list[dist.Work]:
-        """Materialize ``unit`` in this shard group: a broadcast of each of its buffers
-        from its column, once the column has the latest values from the primary replica
-        (:meth:`Unit.refill` follows once they land)."""
-        if self.replicas is not None:
-            self.replicas.wait(unit)
-        unit.allocate()
-        domain = self.domain_of(unit)
-        return [
-            comm.broadcast(
-                buffer, unit.column, domain.shard_group, self.stats, domain.kind("broadcast")
-            )
-            for buffer in unit.buffers
-        ]
+    def gather(self, units: list[Unit]) -> tuple[list[dist.Work], list[dist.Work]]:
+        """Materialize ``units`` in this shard group: a broadcast of each of their buffers
+        from its column, issued on the gather stream once that stream has waited for the
+        units' replicate broadcasts in flight (the compute stream waits only for the
+        broadcasts returned; :meth:`Unit.refill` follows once they land).
 
-    def replicas_landed(self, units: list[Unit]) -> bool:
-        return self.replicas is None or self.replicas.landed(units)
+        Returns:
+            The shard-group broadcasts, and the replicate broadcasts they waited on.
+        """
+        replicate = self.replicas.take(units) if self.replicas is not None else []
+        for unit in units:
+            unit.allocate()  # on the compute stream, which frees it again
+        works = []
+        with self.streams.on(self.streams.gather):
+            if replicate:
+                with record_function(f"dmuon::replicate_wait b{units[0].plan.boundary}"):
+                    for work in replicate:
+                        work.wait()
+            for unit in units:
+                domain = self.domain_of(unit)
+                works += [
+                    comm.broadcast(
+                        buffer,
+                        unit.column,
+                        domain.shard_group,
+                        self.stats,
+                        domain.kind("broadcast"),
+                    )  # fmt: skip
+                    for buffer in unit.buffers
+                ]
+        return works, replicate
+
+    def note_replicate_hidden(self, replicate: list[dist.Work], boundary: int) -> None:
+        """Called as the compute stream is about to wait for a boundary's values: whether
+        the replicate broadcasts into them had landed (hidden behind compute), logged
+        when they had not. A host query for the log alone: it decides nothing."""
+        if replicate and self.replicas is not None:
+            self.replicas.note_hidden(all(work.is_completed() for work in replicate), boundary)
 
     def reduce_to_column(self, unit: Unit) -> PendingReduce:
         """Stage 1: pack the local gradients, free the values outside the column and SUM
@@ -199,43 +230,47 @@ class Exchange:
         )
         return PendingReduce(unit, bucket, work)
 
-    def start_second_stages(self, reduces: list[PendingReduce], wait: bool) -> None:
-        """HSDP: start stage 2 (across replicas, onto the primary) of the column's units
-        whose stage 1 has landed, in issue order; with ``wait``, of all of them.
-
-        Called as backward issues more reduces, so stage 2 overlaps the rest of backward.
-        Stopping at the first unit still in stage 1 keeps the order of the replicate
-        group's reduces the same on every replica, whenever each one is issued.
-        """
+    def start_second_stages(self, reduces: list[PendingReduce]) -> None:
+        """HSDP: stage 2 (across replicas, onto the primary) of the column's units in
+        ``reduces`` not started yet, in issue order, on the reduce stream: it waits for
+        stage 1 there, so the compute stream does not. The caller issues them at points
+        fixed by the pass (one boundary behind stage 1, and at the end of backward), so
+        the replicate group's reduces run in one order on every replica."""
         if self.replicas is None:
             return
-        for pending in reduces:
-            if not pending.unit.holds or pending.to_primary is not None:
-                continue
-            if not wait and not pending.to_column.is_completed():
-                return
-            pending.to_column.wait()
-            pending.to_primary = self.replicas.reduce_to_primary(pending.unit, pending.bucket)
+        started = [p for p in reduces if p.unit.holds and p.to_primary is None]
+        if not started:
+            return
+        with self.streams.on(self.streams.reduce):
+            for pending in started:
+                pending.to_column.wait()
+                pending.to_primary = self.replicas.reduce_to_primary(pending.unit, pending.bucket)
 
     def release_reduces(self, reduces: list[PendingReduce]) -> None:
-        """Let ``reduces`` land and drop their buckets outside the primary owners (whose
-        bucket is the reduced gradient, accumulated at the end of backward).
+        """Drop the buckets of ``reduces`` outside the primary owners (whose bucket is the
+        reduced gradient, accumulated at the end of backward) once they landed.
 
         Called with all but the last boundary's reduces as backward issues more, so a
         rank holds at most two boundaries' buckets beyond its owned gradients, as FSDP2
         keeps one reduce-scatter in flight; else every rank would hold the gradients of
-        every dedicated matrix until the end of backward. Stage 2 of the column's units
-        starts first, in issue order (as :meth:`start_second_stages`).
+        every dedicated matrix until the end of backward. The reduce stream waits for
+        them, not the compute stream; the allocator reuses a bucket's memory only once
+        the reduce stream has passed that wait.
         """
-        self.start_second_stages(reduces, wait=True)
-        for pending in reduces:
-            if pending.bucket is not None and not pending.unit.primary:
-                pending.wait()
-                pending.bucket = None
+        self.start_second_stages(reduces)
+        released = [p for p in reduces if p.bucket is not None and not p.unit.primary]
+        if not released:
+            return
+        reduce_stream = self.streams.reduce
+        self.streams.wait([w for p in released for w in p.works()], reduce_stream)
+        for pending in released:
+            self.streams.keep_until_done(pending.bucket, reduce_stream)
+            pending.bucket = None
 
     def finish_reduces(self, reduces: list[PendingReduce], divide_factor: float) -> None:
-        """The remaining second stages, then the primaries accumulate their gradients."""
-        self.start_second_stages(reduces, wait=True)
+        """The remaining second stages; the compute stream waits for every reduce, then
+        the primaries accumulate their gradients."""
+        self.start_second_stages(reduces)
         for pending in reduces:
             pending.wait()
             if pending.unit.primary:
@@ -245,29 +280,37 @@ class Exchange:
         """Called by a rank whose last pass raised half-way, before it waits on anything
         that pass issued: MAX-reduce ``(reduces_issued, -reduces_issued)`` over the
         recovery groups (every data-parallel rank of the dedication, as the shard, then
-        the replicate group).
+        the replicate group), on the dedication's device (an NCCL group has no CPU
+        backend), waited for on the host with each group's timeout: recovery, not a step,
+        so the host may wait here.
 
         Returns the fewest and the most reduces any rank issued, or None when some rank
         did not join within the groups' timeout: its pass did not fail (it waits in a
         collective this rank never issues) or it died.
         """
-        counts = torch.tensor([reduces_issued, -reduces_issued], dtype=torch.int64)
+        counts = torch.tensor(
+            [reduces_issued, -reduces_issued], dtype=torch.int64, device=self.device
+        )
         try:
             for group in self.recovery_groups:
-                dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=group)
-        except RuntimeError:  # gloo: timed out or the peer closed; NCCL: timed out
+                work = comm.all_reduce(
+                    counts, group, self.stats, kind="recovery", op=dist.ReduceOp.MAX
+                )
+                timeout = comm.group_timeout(group)
+                if timeout is None:
+                    work.wait()
+                else:
+                    work.wait(timeout)
+            most, fewest = counts.tolist()  # on NCCL: blocks until the reduce landed
+        except RuntimeError:  # timed out, or the peer closed
             return None
-        return -int(counts[1]), int(counts[0])
+        return -fewest, most
 
     def discard_reduces(self, reduces: list[PendingReduce]) -> None:
         """A failed pass's reduces: let them land (their buffers are in use until then)
-        and drop them.
-
-        Every rank issued the same first stages; the second stages a replica started
-        depended on timing, so all of them are started first: otherwise a replica would
-        wait for a reduce the other never issues.
-        """
-        self.start_second_stages(reduces, wait=True)
+        and drop them. Every rank issued the same first stages (the ranks agreed on their
+        number) and so the same second stages, once those not started yet are."""
+        self.start_second_stages(reduces)
         for pending in reduces:
             pending.wait()
 
@@ -292,6 +335,8 @@ class Replicas:
         self.size = size
         self._stats = stats
         self._in_flight: dict[Unit, list[dist.Work]] = {}
+        self.unhidden = 0  # boundaries whose replicate broadcast compute had to wait for
+        self._warned = False
 
     def reduce_to_primary(self, unit: Unit, bucket: torch.Tensor) -> dist.Work:
         """SUM a column's bucket across replicas onto the primary replica."""
@@ -322,10 +367,9 @@ class Replicas:
                     for work in works:
                         work.wait()
 
-    def landed(self, units: list[Unit]) -> bool:
-        """No broadcast into these units is still in flight (a timing question: the
-        answer may differ between ranks)."""
-        return all(w.is_completed() for unit in units for w in self._in_flight.get(unit, ()))
+    def take(self, units: list[Unit]) -> list[dist.Work]:
+        """The broadcasts into ``units`` still in flight, for the caller to wait on."""
+        return [w for unit in units for w in self._in_flight.pop(unit, ())]
 
     def wait(self, unit: Unit) -> None:
         works = self._in_flight.pop(unit, None)
@@ -333,6 +377,22 @@ class Replicas:
             with record_function(f"dmuon::replicate_wait b{unit.plan.boundary}"):
                 for work in works:
                     work.wait()
+
+    def note_hidden(self, hidden: bool, boundary: int) -> None:
+        """Count a boundary whose replicate broadcast had not landed when compute needed
+        its values, with a warning the first time: the broadcast cannot hide behind the
+        forward there (a short forward, or a slow replicate link) and costs its time."""
+        if hidden:
+            return
+        self.unhidden += 1
+        if not self._warned:
+            self._warned = True
+            logger.warning(
+                "dmuon: the asynchronous replicate broadcast into boundary %d had not landed "
+                "when the forward needed it: it cannot hide behind the forward there, and "
+                "the forward waits for it (counted in Dedication.exchange.replicas.unhidden)",
+                boundary,
+            )
 
     def wait_all(self) -> None:
         for unit in list(self._in_flight):
@@ -353,8 +413,7 @@ class OwnerGroup:
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """SUM-all-reduce ``tensor`` in place over the members."""
-        self.stats.record("owner_group_all_reduce", tensor)
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+        comm.all_reduce(tensor, self.group, self.stats, "owner_group_all_reduce").wait()
 
     def split_ns(self, block_dim: int, schedule, *, eps: float, dtype: torch.dtype):
         """Newton-Schulz of the members' blocks split along ``block_dim`` (0: rows, 1:
@@ -387,14 +446,12 @@ class TensorParallelNS:
         """Every tensor-parallel rank's shard (same shapes), in rank order."""
         size = dist.get_world_size(self.group)
         out = shard.new_empty((size * shard.shape[0], *shard.shape[1:]))
-        self.stats.record("tp_gather", out)
-        dist.all_gather_into_tensor(out, shard.contiguous(), group=self.group)
+        comm.all_gather_into(out, shard.contiguous(), self.group, self.stats, "tp_gather").wait()
         return list(out.chunk(size))
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """SUM-all-reduce ``tensor`` in place over the TP ranks (``tp_all_reduce``)."""
-        self.stats.record("tp_all_reduce", tensor)
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+        comm.all_reduce(tensor, self.group, self.stats, "tp_all_reduce").wait()
 
     def sharded_ns(
         self, split_dim: int, ns, schedule, *, eps: float, dtype: torch.dtype, backend: str

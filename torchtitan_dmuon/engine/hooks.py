@@ -22,16 +22,24 @@ issues the rest. When a trigger fires depends on the rank, so sequences that run
 same pass never share a process group: gathers use the shard group, reduces the reduce
 group, and neither is FSDP2's.
 
+Which stream waits for what is the business of each boundary's
+:class:`~torchtitan_dmuon.engine.boundary.BoundaryState` and of the exchange: no host
+poll of a collective's completion decides what is issued here, so the issue order is a
+function of the pass alone.
+
 A pass that raises (an out-of-memory error, a bad op) leaves its state behind; the next
 root pre-forward (or ``zero_grad``) finds the driver not idle, waits for what the failed
 pass issued, drops its partial gradients and starts clean, as FSDP2 resets its per-pass
 state there. That is sound only if every data-parallel rank's pass raised at the same
 point, so first the failed ranks agree on it over groups of their own; a peer whose pass
-did not raise never joins and waits in that pass's collectives instead. Both sides then
-raise :class:`PassDivergedError` within the groups' timeout, never a hang or a collective
-matched with the wrong one. What
-the hooks drive is a :class:`DrivenDedication` (the runtime in ``dedication.py``, above
-this file).
+did not raise never joins and waits in that pass's collectives instead. On gloo both
+sides then raise :class:`PassDivergedError` within the groups' timeout. On NCCL a
+collective's wait does not block the host: the failed ranks wait for their agreement
+on the host, with the group's timeout, and raise :class:`PassDivergedError`; the peer
+that did not fail stays queued behind the missing collective until NCCL's watchdog ends
+its process at the same timeout (TorchTitan sets ``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``).
+Never a hang, never a collective matched with the wrong one. What the hooks drive is a
+:class:`DrivenDedication` (the runtime in ``dedication.py``, above this file).
 """
 
 from __future__ import annotations
@@ -41,15 +49,13 @@ from enum import Enum, auto
 from typing import Protocol
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten
 
+from torchtitan_dmuon.engine.boundary import BoundaryState
 from torchtitan_dmuon.engine.exchange import Exchange, PendingReduce
-from torchtitan_dmuon.engine.plan import Boundary
-from torchtitan_dmuon.engine.unit import Unit
 
 __all__ = [
     "CollectiveSequence",
@@ -130,11 +136,10 @@ class PassSettings(Protocol):
 
 class DrivenDedication(Protocol):
     """What the hooks drive (a :class:`~torchtitan_dmuon.engine.dedication.Dedication`):
-    its units and collectives, its switches, its first-forward binding and the end of a
-    reduced backward."""
+    its collectives, its switches, its first-forward binding and the end of a reduced
+    backward."""
 
     exchange: Exchange
-    boundary_units: list[list[Unit]]
     settings: PassSettings
     requires_gradient_sync: bool
     reshard_after_backward: bool
@@ -145,29 +150,21 @@ class DrivenDedication(Protocol):
 
 
 class HookDriver:
-    """The hooks of one dedication and the state of the current pass."""
+    """The hooks of one dedication, the state of the current pass and the order in which
+    its boundaries (:class:`BoundaryState`) issue their collectives."""
 
-    def __init__(self, dedication: DrivenDedication, boundaries: list[Boundary]) -> None:
+    def __init__(self, dedication: DrivenDedication, states: list[BoundaryState]) -> None:
         self.d = dedication
         self.exchange = dedication.exchange
-        self.boundaries = boundaries
-        forward_order = list(range(len(boundaries)))
+        self.states = states
+        forward_order = list(range(len(states)))
         backward_order = forward_order[::-1]
         self.state = TrainingState.IDLE
         self._diverged = ""  # why, once DIVERGED
-        self._gathers: dict[int, list[dist.Work]] = {}
-        # Boundaries whose values are here and current: a gather of one sends nothing
-        # (Z3 keeps the last after forward; a pipeline stage keeps all of them between its
-        # micro-batches, ``reshard_after_backward`` off).
-        self._resident: set[int] = set()
-        self._reduces: list = []  # PendingReduce, in issue order
-        self._last_issued = 0  # units of the boundary reduced last
+        self._reduced: list[BoundaryState] = []  # in issue order, this backward
         self.forward_gathers = CollectiveSequence(forward_order, self._issue_gather)
         self.backward_gathers = CollectiveSequence(backward_order, self._issue_gather)
         self.reduce_sequence = CollectiveSequence(backward_order, self._issue_reduce)
-        self._expected = [len(b.parameters) for b in boundaries]
-        self._grad_counts = [0] * len(boundaries)
-        self._reduce_ready = [False] * len(boundaries)
         self._handles: list = []
         self._param_hooks: dict[str, tuple[nn.Parameter, object]] = {}
 
@@ -177,13 +174,10 @@ class HookDriver:
         handles = [
             model.register_forward_pre_hook(self._root_pre_forward, prepend=True, with_kwargs=True)
         ]
-        for b, boundary in enumerate(self.boundaries):
-            handles.append(
-                boundary.module.register_forward_pre_hook(self._pre_forward(b), with_kwargs=True)
-            )
-            handles.append(
-                boundary.module.register_forward_hook(self._post_forward(b), with_kwargs=True)
-            )
+        for b, state in enumerate(self.states):
+            module = state.boundary.module
+            handles.append(module.register_forward_pre_hook(self._pre_forward(b), with_kwargs=True))
+            handles.append(module.register_forward_hook(self._post_forward(b), with_kwargs=True))
         handles.append(model.register_forward_hook(self._root_post_forward, with_kwargs=True))
         self._handles = handles
 
@@ -191,8 +185,8 @@ class HookDriver:
         """Give each current parameter object its post-accumulate-grad hook, once: checked
         by the hook's handle, not by ``id`` (``to_empty`` registers new objects, an old id
         can come back; ``swap_tensors`` moves an object's hooks with its contents)."""
-        for b, boundary in enumerate(self.boundaries):
-            for dp in boundary.params:
+        for b, state in enumerate(self.states):
+            for dp in state.boundary.params:
                 hooked = self._param_hooks.get(dp.name)
                 if hooked is not None and hooked[0] is dp.param:
                     hooks = dp.param._post_accumulate_grad_hooks
@@ -211,54 +205,45 @@ class HookDriver:
 
     # ---- collectives ---------------------------------------------------------------------
     def _issue_gather(self, b: int) -> None:
-        if b in self._resident:
-            return
-        self._resident.add(b)
-        with record_function(f"dmuon::gather b{b}"):
-            self._gathers[b] = [
-                w for u in self.d.boundary_units[b] for w in self.exchange.gather(u)
-            ]
+        self.states[b].issue_gather()
 
-    def _wait_gather(self, b: int) -> None:
-        works = self._gathers.pop(b, None)
-        if works is None:
-            return
-        with record_function(f"dmuon::wait_gather b{b}"):
-            for work in works:
-                work.wait()
-            for unit in self.d.boundary_units[b]:
-                unit.refill()
+    def _wait_gathers(self) -> None:
+        for state in self.states:
+            state.wait_gather()
 
     def _issue_reduce(self, b: int) -> None:
-        with record_function(f"dmuon::reduce b{b}"):
-            # The reduces before the last boundary's land now (two boundaries in flight).
-            self.exchange.release_reduces(self._reduces[: len(self._reduces) - self._last_issued])
-            self._last_issued = len(self.d.boundary_units[b])
-            for unit in self.d.boundary_units[b]:
-                self._reduces.append(self.exchange.reduce_to_column(unit))
-            for param in self.boundaries[b].parameters:
-                param.grad = None  # packed (a stack's pieces by several units)
-            self._resident.discard(b)  # reduce_to_column freed the values
-            self.exchange.start_second_stages(self._reduces, wait=False)
+        """Stage 1 of boundary ``b``'s reduces. Before it, the boundaries reduced earlier
+        but the last are released (two boundaries of buckets in flight at most, as FSDP2
+        keeps one reduce-scatter in flight) and, under HSDP, the last one's stage 2 is
+        issued: one boundary behind, in issue order on every replica, on the reduce
+        stream (so the compute stream never waits for it)."""
+        if self._reduced:
+            *released, last = self._reduced
+            self.exchange.release_reduces([p for s in released for p in s.reduces])
+            self.exchange.start_second_stages(last.reduces)
+        self.states[b].issue_reduce()
+        self._reduced.append(self.states[b])
 
-    def _free_boundary(self, b: int) -> None:
-        self._resident.discard(b)
-        for unit in self.d.boundary_units[b]:
-            unit.free()
+    def pending_reduces(self) -> list[PendingReduce]:
+        """The reduces issued in this backward, in issue order."""
+        return [p for state in self._reduced for p in state.reduces]
+
+    def _take_reduces(self) -> list[PendingReduce]:
+        reduces = [p for state in self._reduced for p in state.take_reduces()]
+        self._reduced = []
+        return reduces
 
     def free_all(self) -> None:
         """Free every boundary's values outside the owner columns: after a step or a
         load changed the values, whatever a rank still holds is stale."""
-        for b in range(len(self._expected)):
-            self._free_boundary(b)
+        for state in self.states:
+            state.free()
 
     def _prefetch(self, sequence: CollectiveSequence) -> None:
-        """Start gathering the next boundary in ``sequence`` now, unless its values are
-        still arriving from the primary replica (then it is gathered when needed). That
-        depends on timing, so on the rank: it moves *when* a gather is issued, never the
-        order of the gathers, which have a group of their own."""
+        """Start gathering the next boundary in ``sequence`` now: its broadcast waits for
+        the unit's replicate broadcast on the gather stream, never on the compute stream."""
         upcoming = sequence.upcoming()
-        if upcoming is not None and self.exchange.replicas_landed(self.d.boundary_units[upcoming]):
+        if upcoming is not None:
             sequence.through(upcoming)
 
     # ---- forward ---------------------------------------------------------------------------
@@ -271,15 +256,14 @@ class HookDriver:
 
     def _root_post_forward(self, module: nn.Module, args, kwargs, output):
         self.forward_gathers.finish()
-        for b in list(self._gathers):
-            self._wait_gather(b)
+        self._wait_gathers()
         # Which values stay must not depend on the blocks this rank ran (a skipped one
         # missed its post-forward), or the next gathers would differ between ranks.
         if not torch.is_grad_enabled():
             self.free_all()
         elif self.d.settings.reshard_after_forward:
-            for b in range(len(self._expected) - 1):
-                self._free_boundary(b)
+            for state in self.states[:-1]:
+                state.free()
         if torch.is_grad_enabled():
             self.state = TrainingState.AWAITING_BACKWARD
             register_pre_backward(output, lambda grad: self._start_backward())
@@ -294,11 +278,11 @@ class HookDriver:
                 # in backward order, as its pre-backward would), and nothing else happens.
                 if self.d.settings.reshard_after_forward:
                     self.backward_gathers.through(b)
-                    self._wait_gather(b)
+                    self.states[b].wait_gather()
                 return None
             with record_function(f"dmuon::pre_forward b{b}"):
                 self.forward_gathers.through(b)
-                self._wait_gather(b)
+                self.states[b].wait_gather()
                 self._prefetch(self.forward_gathers)
             return None
 
@@ -309,11 +293,11 @@ class HookDriver:
             if self.state is TrainingState.BACKWARD:  # recompute: backward needs the values
                 return None
             if not torch.is_grad_enabled():
-                self._free_boundary(b)
-            elif self.d.settings.reshard_after_forward and b != len(self._expected) - 1:
+                self.states[b].free()
+            elif self.d.settings.reshard_after_forward and b != len(self.states) - 1:
                 # The last boundary stays (on every rank alike, so the backward gather
                 # sequences agree): backward needs it first.
-                self._free_boundary(b)
+                self.states[b].free()
             register_pre_backward(output, lambda grad: self._pre_backward(b))
             return None
 
@@ -326,8 +310,8 @@ class HookDriver:
         self.state = TrainingState.BACKWARD
         self.backward_gathers.reset()
         self.reduce_sequence.reset()
-        self._grad_counts = [0] * len(self._grad_counts)
-        self._reduce_ready = [False] * len(self._reduce_ready)
+        for state in self.states:
+            state.start_backward()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _pre_backward(self, b: int) -> None:
@@ -335,35 +319,31 @@ class HookDriver:
         if not self.d.settings.reshard_after_forward:
             return
         self.backward_gathers.through(b)
-        self._wait_gather(b)
+        self.states[b].wait_gather()
         self._prefetch(self.backward_gathers)
 
     def _post_accumulate_grad(self, b: int):
         def hook(param: torch.Tensor) -> None:
             self._start_backward()
-            self._grad_counts[b] += 1
-            if self._grad_counts[b] == self._expected[b] and self.d.requires_gradient_sync:
-                self._reduce_ready[b] = True
+            if self.states[b].count_grad() and self.d.requires_gradient_sync:
                 self._issue_ready_reduces()
 
         return hook
 
     def _issue_ready_reduces(self) -> None:
         sequence = self.reduce_sequence
-        while sequence.upcoming() is not None and self._reduce_ready[sequence.upcoming()]:
+        while sequence.upcoming() is not None and self.states[sequence.upcoming()].reduce_ready:
             sequence.through(sequence.upcoming())
 
     def _end_backward(self) -> None:
         if self.d.settings.reshard_after_forward:
             self.backward_gathers.finish()
-            for b in list(self._gathers):
-                self._wait_gather(b)
+            self._wait_gathers()
         if self.d.requires_gradient_sync:
             self.reduce_sequence.finish()
-            reduces, self._reduces = self._reduces, []
             try:
                 with record_function("dmuon::finish_reduces"):
-                    self.d.finish_reduces(reduces)
+                    self.d.finish_reduces(self._take_reduces())
             except RuntimeError as error:
                 raise self._diverge(
                     "a gradient reduce of this backward did not complete: a data-parallel "
@@ -385,9 +365,8 @@ class HookDriver:
             )
         self.reduce_sequence.reset()
         self.reduce_sequence.finish()
-        reduces, self._reduces = self._reduces, []
         with record_function("dmuon::finish_reduces"):
-            self.d.finish_reduces(reduces)
+            self.d.finish_reduces(self._take_reduces())
         self.free_all()
 
     # ---- failure -------------------------------------------------------------------------
@@ -401,15 +380,15 @@ class HookDriver:
         collectives it issued, drop its partial reduces and free what it gathered.
 
         Raises:
-            PassDivergedError: Some peer's pass did not raise (it waits in a collective
-                of that pass until the group's timeout, then raises this too), or raised
-                at another point; or an earlier pass diverged.
+            PassDivergedError: Some peer's pass did not raise (on gloo it waits in a
+                collective of that pass until the group's timeout, then raises this too),
+                or raised at another point; or an earlier pass diverged.
         """
         self.raise_if_diverged()
         if not self.pass_unfinished():
             return
         failed = self.state.name.lower()
-        agreed = self.exchange.agree_on_failed_pass(len(self._reduces))
+        agreed = self.exchange.agree_on_failed_pass(len(self.pending_reduces()))
         if agreed is None:
             raise self._diverge(
                 f"the last {failed} pass raised on this rank, and some data-parallel peer "
@@ -424,12 +403,10 @@ class HookDriver:
         logger.warning(
             "dmuon: the previous %s pass did not finish; discarding its state (its "
             "dedicated gradients are dropped)",
-            self.state.name.lower(),
+            failed,
         )
-        for b in list(self._gathers):
-            self._wait_gather(b)
-        reduces, self._reduces = self._reduces, []
-        self.exchange.discard_reduces(reduces)
+        self._wait_gathers()
+        self.exchange.discard_reduces(self._take_reduces())
         self.free_all()
         self.state = TrainingState.IDLE
 

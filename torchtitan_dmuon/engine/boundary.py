@@ -1,0 +1,108 @@
+"""``BoundaryState``: the runtime of one hook boundary over a pass, the engine's counterpart
+of FSDP2's ``FSDPParamGroup``.
+
+It owns what happens to one boundary's units: the gather in flight (and the replicate
+broadcasts it waited on), whether the values are here, the gradients counted against
+those expected, and the reduces issued for them. The hook driver
+(:mod:`~torchtitan_dmuon.engine.hooks`) keeps only the pass state and decides *when* each
+boundary issues; this decides *how*, on which stream, and what it waits for.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch.profiler import record_function
+
+from torchtitan_dmuon.engine.exchange import Exchange, PendingReduce
+from torchtitan_dmuon.engine.plan import Boundary
+from torchtitan_dmuon.engine.unit import Unit
+
+__all__ = ["BoundaryState"]
+
+
+class BoundaryState:
+    """One hook boundary's units and their state in the current pass.
+
+    Attributes:
+        index: The boundary's place in forward order.
+        boundary: Its module and dedicated parameters (from the plan).
+        units: This rank's units of the boundary, one per owner slot.
+        resident: Its values are here and current: a gather sends nothing (Z3 keeps the
+            last boundary after forward; a pipeline stage keeps every boundary over its
+            micro-batches).
+        grad_count: Dedicated gradients accumulated in this backward.
+        reduce_ready: Every expected gradient is here: the boundary may reduce.
+        reduces: Its units' reduces issued in this backward, in issue order.
+    """
+
+    def __init__(
+        self, index: int, boundary: Boundary, units: list[Unit], exchange: Exchange
+    ) -> None:
+        self.index = index
+        self.boundary = boundary
+        self.units = units
+        self.exchange = exchange
+        self.resident = False
+        self.grad_count = 0
+        self.reduce_ready = False
+        self.reduces: list[PendingReduce] = []
+        self._gather: list[dist.Work] | None = None
+        self._replicate: list[dist.Work] = []
+
+    @property
+    def expected_grads(self) -> int:
+        return len(self.boundary.parameters)
+
+    def start_backward(self) -> None:
+        self.grad_count = 0
+        self.reduce_ready = False
+
+    # ---- values --------------------------------------------------------------------------
+    def issue_gather(self) -> None:
+        """Start broadcasting the units from their owner columns (on the gather stream),
+        unless the values are here."""
+        if self.resident:
+            return
+        self.resident = True
+        with record_function(f"dmuon::gather b{self.index}"):
+            self._gather, self._replicate = self.exchange.gather(self.units)
+
+    def wait_gather(self) -> None:
+        """Make the compute stream wait for the gather issued, then refill the parameters
+        that compute from storage of their own."""
+        works, self._gather = self._gather, None
+        if works is None:
+            return
+        with record_function(f"dmuon::wait_gather b{self.index}"):
+            self.exchange.note_replicate_hidden(self._replicate, self.index)
+            self._replicate = []
+            for work in works:
+                work.wait()
+            for unit in self.units:
+                unit.refill()
+
+    def free(self) -> None:
+        """Free the values outside the owner columns."""
+        self.resident = False
+        for unit in self.units:
+            unit.free()
+
+    # ---- gradients -----------------------------------------------------------------------
+    def count_grad(self) -> bool:
+        """One more dedicated gradient accumulated; True once all are here."""
+        self.grad_count += 1
+        self.reduce_ready = self.grad_count == self.expected_grads
+        return self.reduce_ready
+
+    def issue_reduce(self) -> None:
+        """Stage 1 of every unit's reduce: pack, free the values outside the column and
+        SUM onto the column; the parameters' gradients go (packed)."""
+        with record_function(f"dmuon::reduce b{self.index}"):
+            self.reduces = [self.exchange.reduce_to_column(unit) for unit in self.units]
+            for param in self.boundary.parameters:
+                param.grad = None  # packed (a stack's pieces by several units)
+            self.resident = False  # reduce_to_column freed the values
+
+    def take_reduces(self) -> list[PendingReduce]:
+        reduces, self.reduces = self.reduces, []
+        return reduces
