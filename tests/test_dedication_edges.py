@@ -224,6 +224,20 @@ def test_odd_sized_matrices_are_16_byte_aligned_and_train_like_one_process_muon(
             assert run["misaligned"] == []
     full, mixed = by_rank[0]
     assert mixed["compute_dtypes"] == {torch.bfloat16}
+    # The padding travels: each matrix takes its size rounded up to 16 elements.
+    model = make_model(seed=0, **odd)
+
+    def rooms(module):
+        return [
+            -(-p.numel() // 16) * 16 for n, p in module.named_parameters() if proj_predicate(n, p)
+        ]
+
+    padded, last = rooms(model), sum(rooms(model.layers[-1]))
+    assert sum(padded) > sum(p.numel() for n, p in model.named_parameters() if proj_predicate(n, p))
+    for run, itemsize, z3 in ((full, 4, True), (mixed, 2, False)):
+        step = run["collectives"][1]["bytes"]
+        assert step["broadcast"] == (2 * sum(padded) - last if z3 else sum(padded)) * itemsize
+        assert step["reduce"] == (sum(padded) + len(padded)) * itemsize  # and the flags
     assert full["losses"] == pytest.approx(reference["losses"], rel=1e-5)
     tolerance = trained_tolerance(torch.float32, lr=MUON_KW["lr"], steps=4)
     for name, expected in reference["params"].items():
