@@ -58,7 +58,7 @@ def check_backends(preset: str, shape: tuple[int, ...]) -> list[dict]:
     for mode, (dtype, tf32, tol) in MODES.items():
         if tf32 and shape not in TF32_SHAPES:
             continue
-        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cuda.matmul.fp32_precision = "tf32" if tf32 else "ieee"
         torch_err = None
         for name in BACKENDS:
             out = get_ns_backend(name)(g, schedule, dtype=dtype)
@@ -83,7 +83,7 @@ def check_backends(preset: str, shape: tuple[int, ...]) -> list[dict]:
                 f"{err:>9.2e}  {'ok' if ok else 'FAIL'} {notes or ''}",
                 flush=True,
             )
-    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cuda.matmul.fp32_precision = "ieee"
     return records
 
 

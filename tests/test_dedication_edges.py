@@ -31,6 +31,7 @@ from tests.workers import (
     reference_setup,
     train_configs,
     train_reference,
+    trained_tolerance,
 )
 from torchtitan_dmuon import Muon, dedicate_params, get_dedication
 from torchtitan_dmuon.engine import fsdp as engine_fsdp
@@ -202,6 +203,45 @@ def test_mixed_precision_follows_fsdp_policy():
     # bf16 broadcasts: forward, and with Z3 backward for all but the last block.
     assert step["bytes"]["broadcast"] == (2 * numel - last) * 2
     assert step["bytes"]["reduce"] == (numel + 12) * 4  # one fp32 reduce, 12 flags
+
+
+def test_odd_sized_matrices_are_16_byte_aligned_and_train_like_one_process_muon():
+    """Matrices of 100 and 270 elements: without padding every bf16 view after the first
+    is misaligned. Every view of the values (fp32 or bf16), masters, reduced gradients and
+    reduce buckets (fp32 or bf16, their flags too) starts at a multiple of 16 bytes, and
+    training still matches torch.optim.Muon + AdamW in one process."""
+    odd = dict(dim=10, hidden=27)
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    fp32 = dict(same_data=True, model_kwargs=odd, ns_dtype=torch.float32)
+    configs = [
+        dict(fp32, fsdp=True, z3=True, steps=4),
+        dict(fsdp=True, z3=False, same_data=True, steps=2, model_kwargs=odd, mp_policy=bf16),
+    ]
+    by_rank = run_distributed(train_configs, 2, configs)
+    reference = train_reference(2, steps=4, **fp32)
+    for runs in by_rank:
+        for run in runs:
+            assert run["misaligned"] == []
+    full, mixed = by_rank[0]
+    assert mixed["compute_dtypes"] == {torch.bfloat16}
+    # The padding travels: each matrix takes its size rounded up to 16 elements.
+    model = make_model(seed=0, **odd)
+
+    def rooms(module):
+        return [
+            -(-p.numel() // 16) * 16 for n, p in module.named_parameters() if proj_predicate(n, p)
+        ]
+
+    padded, last = rooms(model), sum(rooms(model.layers[-1]))
+    assert sum(padded) > sum(p.numel() for n, p in model.named_parameters() if proj_predicate(n, p))
+    for run, itemsize, z3 in ((full, 4, True), (mixed, 2, False)):
+        step = run["collectives"][1]["bytes"]
+        assert step["broadcast"] == (2 * sum(padded) - last if z3 else sum(padded)) * itemsize
+        assert step["reduce"] == (sum(padded) + len(padded)) * itemsize  # and the flags
+    assert full["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    tolerance = trained_tolerance(torch.float32, lr=MUON_KW["lr"], steps=4)
+    for name, expected in reference["params"].items():
+        torch.testing.assert_close(full["params"][name], expected, **tolerance)
 
 
 def test_gradient_sync_off_reduces_once_per_step():

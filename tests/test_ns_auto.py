@@ -15,7 +15,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from tests.dist import run_distributed
 from tests.models import TokenModel, batch, loss_fn, make_model, proj_predicate
 from torchtitan_dmuon import Muon, MuonConfig, dedicate_params
-from torchtitan_dmuon.optim import ns_backends, ns_cache, ns_choice
+from torchtitan_dmuon.optim import muon, ns_backends, ns_cache, ns_choice
 from torchtitan_dmuon.optim.newton_schulz import newton_schulz, resolve_ns_schedule
 from torchtitan_dmuon.optim.ns_backends import (
     AUTO_MIN_SIDE_CPU,
@@ -437,9 +437,50 @@ def test_each_shape_is_timed_as_the_batch_it_runs(monkeypatch):
         "measure_backends",
         lambda shape, *a, **k: (measured.append(tuple(shape)), {"torch": 2.0, "gram": 1.0})[1],
     )
-    workload = {(64, 64): 3, (64, 128): 1, (8, 8): 5}  # 8x8: too small to measure
+    workload = {(64, 64): [1, 1, 1], (64, 128): [1], (8, 8): [5]}  # 8x8: too small to measure
     config = MuonConfig(ns_backend="auto", ns_dtype="float32")
     report = ns_choice.choose_ns(config, torch.device("cpu"), lambda dtype: workload).backend_report
     assert sorted(measured) == [(3, 64, 64), (64, 128)]
     assert report.picks == {(64, 64): "gram", (64, 128): "gram"} and report.measured == 2
     assert choose_ns_backend(_randn(3, 64, 64), SCHEDULE, dtype=torch.float32) == "gram"
+
+
+def test_auto_times_exactly_the_capped_batches_the_step_runs(monkeypatch):
+    """Batches are capped at ``NS_BATCH_ELEMENTS``: ``"auto"`` times the batches the step
+    runs (never the whole owned batch of a shape, which no step runs and which would be
+    allocated at start), and the step runs only batch shapes ``"auto"`` timed."""
+    rows, cols = 64, 96
+    matrix = rows * cols
+    monkeypatch.setattr(muon, "NS_BATCH_ELEMENTS", 2 * matrix + 1)
+    measured = []
+    monkeypatch.setattr(
+        ns_backends,
+        "measure_backends",
+        lambda shape, *a, **k: (measured.append(tuple(shape)), {"torch": 2.0, "gram": 1.0})[1],
+    )
+    model = torch.nn.Module()
+    # One (rows, cols) bucket in this order: 2 + 1 matrices, a 3-stack (alone: a stack is
+    # never split), 2 + 1; and one (cols, rows) matrix.
+    shapes = {"a0": (rows, cols), "a1": (rows, cols), "a2": (rows, cols), "stack": (3, rows, cols)}
+    shapes |= {"b0": (rows, cols), "b1": (rows, cols), "b2": (rows, cols), "t": (cols, rows)}
+    for i, (name, shape) in enumerate(shapes.items()):
+        model.register_parameter(name, torch.nn.Parameter(_randn(*shape, seed=i)))
+    ran = []
+    real_choose = ns_backends.choose_ns_backend
+
+    def recording_choose(grad, *args, **kwargs):
+        ran.append(tuple(grad.shape))
+        return real_choose(grad, *args, **kwargs)
+
+    monkeypatch.setattr(ns_backends, "choose_ns_backend", recording_choose)
+    opt = Muon(model, ns_backend="auto", ns_dtype="float32", predicate=lambda n, p: True)
+    expected = [(2, rows, cols), (rows, cols), (3, rows, cols), (2, rows, cols), (rows, cols)]
+    expected.append((cols, rows))
+    assert sorted(measured) == sorted(set(expected))
+    # The largest transient "auto" allocates: one capped batch, or one stack alone.
+    assert max(torch.Size(s).numel() for s in measured) == 3 * matrix
+    for i, p in enumerate(model.parameters()):
+        p.grad = _randn(*p.shape, seed=100 + i)
+    opt.step()
+    assert sorted(ran) == sorted(expected)
+    assert opt.ns.backend_report.measured == 4 and opt.ns.backend_report.cached == 0

@@ -27,10 +27,10 @@ def _ieee_fp32():
     if DEVICE == "cpu":
         yield
         return
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
+    saved = torch.backends.cuda.matmul.fp32_precision
+    torch.backends.cuda.matmul.fp32_precision = "ieee"
     yield
-    torch.backends.cuda.matmul.allow_tf32 = saved
+    torch.backends.cuda.matmul.fp32_precision = saved
 
 
 def _randn(*shape, seed=0, dtype=torch.float32):
@@ -77,6 +77,39 @@ def test_matches_torch_backend_fp32(preset, shape):
     ours = triton_ns.triton_newton_schulz(g, schedule, dtype=torch.float32)
     assert ours.shape == g.shape and ours.dtype == torch.float32
     torch.testing.assert_close(ours, newton_schulz(g, schedule, dtype=torch.float32), **FP32)
+
+
+@pytest.fixture
+def _restore_fp32_precision():
+    saved = torch.backends.fp32_precision, torch.backends.cuda.matmul.fp32_precision
+    yield
+    torch.backends.fp32_precision, torch.backends.cuda.matmul.fp32_precision = saved
+
+
+@pytest.mark.usefixtures("_restore_fp32_precision")
+@pytest.mark.parametrize(
+    ("generic", "matmul", "expected"),
+    [
+        ("none", "none", "ieee"),  # torch's default: full fp32 products
+        ("none", "tf32", "tf32"),
+        ("none", "ieee", "ieee"),
+        ("tf32", "none", "tf32"),  # the matmul setting inherits the generic one
+        ("tf32", "ieee", "ieee"),
+        ("ieee", "tf32", "tf32"),
+    ],
+)
+def test_fp32_kernels_follow_the_fp32_precision_api(generic, matmul, expected):
+    """Once a job sets ``fp32_precision``, torch raises on reads of the legacy ``allow_tf32``;
+    the kernels read the new API and take torch's fp32 matmul precision from it."""
+    torch.backends.fp32_precision = generic
+    torch.backends.cuda.matmul.fp32_precision = matmul
+    assert triton_ns.torch_fp32_matmul_precision() == expected
+    g = _randn(20, 12, seed=8)
+    schedule = resolve_ns_schedule("quintic", 2)
+    ours = triton_ns.triton_newton_schulz(g, schedule, dtype=torch.float32, blocks=SMALL)
+    # tf32 products round inputs to 10 mantissa bits on a GPU; the interpreter ignores it.
+    tol = dict(rtol=1e-2, atol=1e-2) if expected == "tf32" and DEVICE == "cuda" else FP32
+    torch.testing.assert_close(ours, newton_schulz(g, schedule, dtype=torch.float32), **tol)
 
 
 def test_small_blocks_and_per_step_coefficients():

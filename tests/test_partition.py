@@ -122,3 +122,30 @@ def test_split_stacks_balance_ns_cost_and_held_bytes():
     whole_held = [sum(s for s, o in zip(sizes, owners, strict=True) if o == r) for r in range(4)]
     assert load_balance(items, owners, 4) > plan.balance()
     assert max(whole_held) / (sum(whole_held) / 4) > max(held) / (sum(held) / len(held))
+
+
+def test_every_offset_in_a_unit_is_16_byte_aligned_in_any_dtype():
+    """Matrices whose sizes are not multiples of 16 elements (a 1-byte dtype's 16 bytes):
+    each matrix and piece starts at a multiple of 16 elements of its unit's layout, the
+    pieces' buffer too, and the layout leaves no overlap."""
+    with torch.device("meta"):
+        model = nn.ModuleDict({"layers": nn.ModuleList(_MoEBlock(10, 27, 3) for _ in range(2))})
+    selected = [(n, p) for n, p in model.named_parameters() if p.ndim >= 2]
+    blocks = set(model["layers"])
+    plan = build_plan(
+        model,
+        selected,
+        shard_size=2,
+        replicate_size=1,
+        hook_boundary_predicate=lambda name, module: module in blocks,
+    )
+    sizes = {d.numel for d in plan.params}
+    assert any(size % 8 for size in sizes)  # the old layout misaligned bf16 views here
+    for unit in plan.units:
+        ends = 0
+        for d in unit.params:
+            assert d.offset % 16 == 0 and d.offset >= ends, (d.name, d.offset)
+            ends = d.offset + d.numel
+        assert unit.whole_numel % 16 == 0 and unit.numel % 16 == 0
+        assert unit.numel == sum(-(-d.numel // 16) * 16 for d in unit.params)
+        assert unit.matrix_numel == sum(d.numel for d in unit.params)

@@ -28,6 +28,7 @@ from torchtitan_dmuon import (
 )
 from torchtitan_dmuon.engine.comm import CollectiveCounter
 from torchtitan_dmuon.engine.report import StepCounts, plan_report
+from torchtitan_dmuon.engine.unit import Unit
 from torchtitan_dmuon.optim.newton_schulz import newton_schulz, resolve_ns_schedule
 from torchtitan_dmuon.optim.normuon import second_moment_shape
 from torchtitan_dmuon.titan.checkpoint import as_saved
@@ -268,6 +269,7 @@ def train_dmuon(
             for k in range(len(dedication.plan.domains))
         ],
         "memory": dedication.memory_bytes(),
+        "misaligned": misaligned_views(dedication, opt),
         "snapshot": snapshot,
         "events": events,
         "coordinates": (dedication.replicate_rank, dedication.shard_rank),
@@ -282,6 +284,27 @@ def train_dmuon(
     dedication.wait_replicas()  # the last step's async broadcasts, before teardown
     del opt, model
     return result
+
+
+def misaligned_views(dedication, opt) -> list[str]:
+    """The views of this rank's unit buffers (values, masters, reduced gradients, a packed
+    reduce bucket and its has-gradient flags) and the momentum buffers whose address is
+    not a multiple of 16 bytes (what cuBLAS and Inductor want)."""
+    views = []
+    for unit in dedication.units:
+        bucket = unit.pack_grads()
+        views.append(("flags", bucket[unit.numel :]))
+        for d in unit.params:
+            views.append((f"{d.name} bucket", Unit.view(bucket, d)))
+            if unit.holds:
+                views.append((f"{d.name} value", unit.value_view(d)))
+            if unit.primary:
+                views.append((f"{d.name} master", unit.master_view(d)))
+                if unit.grad is not None:
+                    views.append((f"{d.name} grad", unit.grad_view(d)))
+                if "momentum_buffer" in opt.state[d.param]:
+                    views.append((f"{d.name} momentum", opt.state[d.param]["momentum_buffer"]))
+    return [name for name, view in views if view.data_ptr() % 16]
 
 
 def _failing_pass(model, opt, rank, world) -> None:

@@ -326,16 +326,16 @@ def gather_over_groups(groups: list[dist.ProcessGroup | None], obj) -> dict[int,
 def flagged_grad_bucket(
     grads: list[torch.Tensor | None], numels: list[int], dtype: torch.dtype, device
 ) -> torch.Tensor:
-    """The gradients back to back (zeros where one is None, ``numels`` elements each),
-    then one has-gradient flag per gradient: a bucket of the same size on every rank,
-    whatever gradients each rank computed, so that a gradient no rank computed can be
-    told from one whose sum is zero."""
+    """The gradients back to back, each at the start of a slot of ``numels`` elements
+    (zeros where one is None, and past its end), then one has-gradient flag per gradient:
+    a bucket of the same size on every rank, whatever gradients each rank computed, so
+    that a gradient no rank computed can be told from one whose sum is zero."""
     total = sum(numels)
     bucket = torch.zeros(total + len(grads), dtype=dtype, device=device)
     offset = 0
     for i, (grad, numel) in enumerate(zip(grads, numels, strict=True)):
         if grad is not None:
-            bucket[offset : offset + numel].copy_(grad.reshape(-1))
+            bucket[offset : offset + grad.numel()].copy_(grad.reshape(-1))
             bucket[total + i] = 1
         offset += numel
     return bucket

@@ -539,11 +539,12 @@ class Dedication:
 
     def ns_workload(
         self, backend: str, dtype: torch.dtype, steps: int
-    ) -> dict[tuple[int, int], int]:
-        """Matrices per ``(rows, cols)`` that ``backend`` orthogonalizes on this rank each
-        step: those of which it is the primary owner, whole, and the tensor-parallel
-        matrices its owner column gathers (the Gram path runs no backend)."""
-        out: dict[tuple[int, int], int] = {}
+    ) -> dict[tuple[int, int], list[int]]:
+        """Per ``(rows, cols)``, the matrices of each parameter (1, or a stack's count)
+        that ``backend`` orthogonalizes on this rank each step, in the order of
+        :meth:`owned_grads`: those of which it is the primary owner, whole, and the
+        tensor-parallel matrices its owner column gathers (the Gram path runs no backend)."""
+        out: dict[tuple[int, int], list[int]] = {}
         tensor_parallel = self.exchange.tp_group is not None
         for unit in self.units:
             if not unit.primary:
@@ -555,7 +556,7 @@ class Dedication:
                     continue
                 shape = d.layout.shape  # whole matrices (a piece's)
                 key = (int(shape[-2]), int(shape[-1]))
-                out[key] = out.get(key, 0) + matrix_count(shape)
+                out.setdefault(key, []).append(matrix_count(shape))
         return out
 
     def piece_shards(self, name: str) -> list[PieceShard]:

@@ -56,6 +56,7 @@ from torchtitan_dmuon.optim.newton_schulz import ns_flops, split_ns_flops
 from torchtitan_dmuon.optim.sharded_ns import split_ns_bytes
 
 __all__ = [
+    "VIEW_ALIGNMENT",
     "Boundary",
     "BoundaryPredicate",
     "DedicatedParam",
@@ -80,6 +81,15 @@ logger = logging.getLogger(__name__)
 
 Predicate = Callable[[str, nn.Parameter], bool]
 BoundaryPredicate = Callable[[str, nn.Module], bool]
+
+VIEW_ALIGNMENT = 16
+"""Every matrix and piece starts at a multiple of this many elements of its unit's
+layout: 16 bytes in the narrowest dtype a unit's buffer can have (1-byte float8 values),
+a multiple of 16 in the wider ones (bf16 values, fp32 masters and gradients), so every
+view of a buffer is as aligned as the buffer (any allocation is). cuBLAS wants 16-byte
+aligned operands and Inductor copies inputs that are not; a matrix whose size is not a
+multiple of 8 elements would otherwise misalign every bf16 view after it. The padding is
+zeros, and it travels with the buffers."""
 
 
 def default_boundary_modules(model: nn.Module) -> set[nn.Module]:
@@ -289,13 +299,20 @@ class DedicatedParam:
     def numel(self) -> int:
         return self.layout.numel
 
+    @property
+    def padded_numel(self) -> int:
+        """Its room in its unit's layout: :attr:`numel` rounded up to a multiple of
+        :data:`VIEW_ALIGNMENT`."""
+        return -(-self.numel // VIEW_ALIGNMENT) * VIEW_ALIGNMENT
+
 
 @dataclass(eq=False)
 class UnitPlan:
     """The matrices of one boundary that share an owner slot: one collective each way.
 
-    Its layout (of masters, gradients and reduce buckets) puts the whole matrices first,
-    in model order, then the pieces of split stacks.
+    Its layout (of values, masters, gradients and reduce buckets) puts the whole matrices
+    first, in model order, then the pieces of split stacks, each at an offset that is a
+    multiple of :data:`VIEW_ALIGNMENT` (zeros between).
 
     Attributes:
         boundary: Index of its boundary (forward order).
@@ -314,12 +331,19 @@ class UnitPlan:
 
     @property
     def numel(self) -> int:
+        """Elements of its layout, padding included: what its buffers hold and move."""
+        return sum(d.padded_numel for d in self.params)
+
+    @property
+    def matrix_numel(self) -> int:
+        """Elements of its matrices and pieces alone (their momentum's)."""
         return sum(d.numel for d in self.params)
 
     @property
     def whole_numel(self) -> int:
-        """Elements of its whole matrices (the layout's first part)."""
-        return sum(d.numel for d in self.params if not d.layout.is_piece)  # they come first
+        """Elements of the layout's first part, its whole matrices (padding included):
+        where the pieces begin."""
+        return sum(d.padded_numel for d in self.params if not d.layout.is_piece)
 
 
 @dataclass(eq=False)
@@ -468,7 +492,8 @@ class Plan:
         """Bytes each data-parallel rank (slot order) keeps between steps for dedicated
         matrices: the values of every unit of its column (``value_bytes`` per element)
         and the state of the units it is the primary of (``state_bytes`` per element:
-        momentum, and a master under mixed precision)."""
+        momentum, and a master under mixed precision), per element of a unit's layout
+        (its padding included)."""
         held = [0] * self.slots
         for unit in self.units:
             for s in self.rank_slots(unit, primary=False):
@@ -598,7 +623,7 @@ def build_plan(
             offset = 0
             for d in unit.params:
                 d.offset = offset
-                offset += d.numel
+                offset += d.padded_numel
     return Plan(boundaries, domains, expert_columns if expert_parallel else None, group_size)
 
 

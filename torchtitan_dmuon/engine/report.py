@@ -72,9 +72,11 @@ class RankReport:
         ns_flops: FLOPs of their Newton-Schulz per optimizer step (2 per multiply-add).
         held: Bytes kept between steps for the dedicated matrices: ``params`` (the values
             of the units of its column), ``masters`` (primary, under mixed precision),
-            ``momentum`` and ``normuon`` (primary).
+            ``momentum`` and ``normuon`` (primary); the units' buffers (values, masters)
+            with their alignment padding (see ``plan.VIEW_ALIGNMENT``).
         dmuon_bytes: Collective payload bytes of one step by kind: ``broadcast``,
-            ``reduce``, ``all_gather``, ``reduce_scatter``, ``all_reduce``.
+            ``reduce``, ``all_gather``, ``reduce_scatter``, ``all_reduce`` (the units'
+            buffers with their padding).
         adamw_bytes: The same step's, had the layout kept every parameter (AdamW).
     """
 
@@ -199,7 +201,7 @@ def plan_report(model: nn.Module, counts: StepCounts) -> PlanReport:
                 rank = ranks[slot]
                 rank.owned += sum(matrix_count(d.layout.shape) for d in unit.params)
                 rank.ns_flops += 2 * sum(d.layout.ns_cost(counts.ns_steps) for d in unit.params)
-                rank.held["momentum"] += unit.numel * state_itemsize
+                rank.held["momentum"] += unit.matrix_numel * state_itemsize  # unpadded
                 if value_dtype != master_dtype:
                     rank.held["masters"] += unit.numel * state_itemsize
                 if counts.normuon:

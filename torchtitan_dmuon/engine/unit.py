@@ -1,6 +1,8 @@
 """A unit's storage: one flat buffer per (boundary, owner slot) and its gradients.
 
-The whole matrices of a unit are views of its flat buffer (in the compute dtype). Ranks
+The whole matrices of a unit are views of its flat buffer (in the compute dtype), each
+at its plan offset: a multiple of ``VIEW_ALIGNMENT`` elements, so every view of every
+buffer in the unit's layout (values, masters, gradients) is 16-byte aligned. Ranks
 outside the unit's column free the buffer's storage between uses and re-grow the *same*
 storage before the next use (as FSDP2 does with its unsharded parameters), so every view
 that autograd saved in forward still sees the values in backward. The primary owner keeps
@@ -184,11 +186,16 @@ class Unit:
         def values(ds: list[DedicatedParam]) -> torch.Tensor | None:
             if not ds:
                 return None
+            numel, start = sum(d.padded_numel for d in ds), ds[0].offset
             if not self.holds:  # the column's values arrive by gather: nothing to read here
-                numel, device = sum(d.numel for d in ds), ds[0].param.device
+                device = ds[0].param.device
                 return torch.empty(numel, dtype=compute_dtype, device=device)  # freed below
-            # Own storage (a master or the other buffer must not share it).
-            return torch.cat([value_of(d).reshape(-1) for d in ds])
+            # Own storage (a master or the other buffer must not share it), zero padding.
+            parts = [value_of(d) for d in ds]
+            buffer = parts[0].new_zeros(numel)
+            for d, part in zip(ds, parts, strict=True):
+                buffer[d.offset - start : d.offset - start + d.numel].copy_(part.reshape(-1))
+            return buffer
 
         whole = values([d for d in self.params if not d.layout.is_piece])  # into ``flat``
         pieces = values([d for d in self.params if d.layout.is_piece])  # into ``pieces``
@@ -244,11 +251,11 @@ class Unit:
 
     # ---- gradients -------------------------------------------------------------------
     def pack_grads(self) -> torch.Tensor:
-        """The reduce bucket (reduce dtype, a has-gradient flag per matrix or piece after
-        the values). The caller drops the local gradients once every unit sharing them
-        (a stack's pieces) is packed."""
+        """The reduce bucket (reduce dtype, in the unit's layout, a has-gradient flag per
+        matrix or piece after the values). The caller drops the local gradients once every
+        unit sharing them (a stack's pieces) is packed."""
         grads = [d.layout.local_grad(d.param) for d in self.params]
-        numels = [d.numel for d in self.params]
+        numels = [d.padded_numel for d in self.params]
         return flagged_grad_bucket(grads, numels, self.reduce_dtype, self.device)
 
     @torch.no_grad()
@@ -283,9 +290,9 @@ class Unit:
             held["params"] = self.numel * self.buffers[0].element_size()
         if self.master is not None:
             held["masters"] = self.master.numel() * self.master.element_size()
-        if self.primary:
+        if self.primary:  # one momentum tensor per matrix: no padding
             dtype = self.master_dtype or self.params[0].param.dtype
-            held["momentum"] = self.numel * dtype.itemsize
+            held["momentum"] = self.plan.matrix_numel * dtype.itemsize
         return held
 
 

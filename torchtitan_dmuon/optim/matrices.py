@@ -68,7 +68,8 @@ class MatrixSet(Protocol):
         ...
 
     def ns_workload(self, backend: str, dtype: torch.dtype, steps: int) -> dict:
-        """Matrices per ``(rows, cols)`` that ``backend`` orthogonalizes here each step."""
+        """Per ``(rows, cols)``, the matrices of each parameter (1, or a stack's count)
+        that ``backend`` orthogonalizes here each step, in the order the step batches them."""
         ...
 
     def divide_grads(self, divisor: torch.Tensor | float) -> None:
@@ -141,10 +142,10 @@ class LocalMatrices:
         return set()
 
     def ns_workload(self, backend: str, dtype: torch.dtype, steps: int) -> dict:
-        workload: dict[tuple[int, int], int] = {}
-        for p in self.params:
+        workload: dict[tuple[int, int], list[int]] = {}
+        for p in self.params:  # the order step_phases steps them in
             shape = (p.shape[-2], p.shape[-1])
-            workload[shape] = workload.get(shape, 0) + matrix_count(p.shape)
+            workload.setdefault(shape, []).append(matrix_count(p.shape))
         return workload
 
     def divide_grads(self, divisor: torch.Tensor | float) -> None:

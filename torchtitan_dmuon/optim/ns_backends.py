@@ -191,8 +191,9 @@ def timings_for(
 def pick_backend(measurements: Sequence[tuple[int, Timings]]) -> str:
     """The backend for one shape from the timings of every rank that runs it.
 
-    Each measurement is ``(weight, timings)``: timings of one rank's batch of the shape
-    with weight 1, or of one matrix with the number of matrices that rank runs. A backend
+    Each measurement is ``(weight, timings)``: one rank's timings of its batches of the
+    shape in a step, summed, with weight 1, or of one matrix with the number of matrices
+    that rank runs. A backend
     is a candidate if every measurement has it, and its cost is the weighted sum over the
     ranks. ``"torch"`` unless a candidate costs less than 97% of it; ties go to the name,
     so every rank merging the same measurements agrees.

@@ -13,7 +13,8 @@ what the other would (the test suite runs its verdict-sensitive tests both ways)
 
 ``ns_backend="auto"``: per matrix shape, the fastest correct backend, from timings each
 rank reads from the disk cache (:mod:`.ns_cache`) or measures
-(:func:`~torchtitan_dmuon.optim.ns_backends.timings_for`).
+(:func:`~torchtitan_dmuon.optim.ns_backends.timings_for`), of exactly the batches its step
+runs (the step's own batching, capped at :data:`~torchtitan_dmuon.optim.muon.NS_BATCH_ELEMENTS`).
 
 Processes measure differently (other CPUs, timing noise), and two ranks that orthogonalize
 one shape with different backends or dtypes would round differently. So each rank's
@@ -31,13 +32,13 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from torchtitan_dmuon.optim.config import MuonConfig
-from torchtitan_dmuon.optim.muon import NSFunction
+from torchtitan_dmuon.optim.muon import NSFunction, _batches
 from torchtitan_dmuon.optim.newton_schulz import NSSchedule
 from torchtitan_dmuon.optim.ns_backends import (
     auto_key,
@@ -60,6 +61,7 @@ __all__ = [
     "forced_ns_dtype",
     "local_ns_dtype",
     "other_verdict",
+    "step_batches",
 ]
 
 logger = logging.getLogger(__name__)
@@ -67,10 +69,11 @@ logger = logging.getLogger(__name__)
 Gather = Callable[[object], list]
 """``gather(obj)``: ``obj`` of every rank of the job, in rank order (a collective)."""
 
-Workload = Callable[[torch.dtype], dict[tuple[int, int], int]]
-"""``workload(dtype)``: matrices per ``(rows, cols)`` this rank orthogonalizes with the
-backend each step, in Newton-Schulz dtype ``dtype`` (under tensor parallelism the dtype
-decides which matrices take the Gram all-reduce path instead)."""
+Workload = Callable[[torch.dtype], dict[tuple[int, int], list[int]]]
+"""``workload(dtype)``: per ``(rows, cols)``, the matrices of each parameter (1, or a
+stack's count) this rank orthogonalizes with the backend each step, in the order its step
+batches them, in Newton-Schulz dtype ``dtype`` (under tensor parallelism the dtype decides
+which matrices take the Gram all-reduce path instead)."""
 
 VERDICT_ENV = "TORCHTITAN_DMUON_AUTO_NS_DTYPE"
 """Environment variable that, when set, is ``"auto"``'s verdict instead of the probe's:
@@ -205,8 +208,8 @@ class NSBackendReport:
 
     Attributes:
         picks: The installed backend per ``(rows, cols)`` (every rank's shapes).
-        measured: Shapes this rank measured (not found in the disk cache).
-        cached: Shapes this rank read from the disk cache.
+        measured: Batch shapes this rank measured (not found in the disk cache).
+        cached: Batch shapes this rank read from the disk cache.
         seconds: Wall time of the whole decision on this rank.
     """
 
@@ -311,17 +314,18 @@ def _agree_ns_backends(
     """Pick the ``"auto"`` backend of every matrix shape of the job and install the picks
     (:func:`~torchtitan_dmuon.optim.ns_backends.set_auto_choices`).
 
-    Each rank times the shapes it orthogonalizes, each as the batch it runs per step
-    (``workload``: matrices per shape), through the disk cache; every rank's timings go to
-    all ranks, and each shape's backend is the one whose time summed over the ranks that
-    run it is least (:func:`~torchtitan_dmuon.optim.ns_backends.pick_backend`).
+    Each rank times the batches it runs per step of each shape (:func:`step_batches`),
+    through the disk cache; a shape's time on a rank is the sum over its batches. Every
+    rank's times go to all ranks, and each shape's backend is the one whose time summed
+    over the ranks that run it is least
+    (:func:`~torchtitan_dmuon.optim.ns_backends.pick_backend`).
     """
     start = time.perf_counter()
     shapes = [s for s in sorted(workload) if needs_choice(device, s, dtype)]
-    # Each shape's whole batch, as the optimizer runs it (a batch times unlike one matrix).
-    batches = {s: (workload[s], *s) if workload[s] > 1 else s for s in shapes}
-    timings, measured = timings_for(batches.values(), schedule, eps=eps, dtype=dtype, device=device)
-    mine = {shape: (1, timings[batches[shape]]) for shape in shapes}
+    batches = {s: step_batches(s, workload[s]) for s in shapes}
+    distinct = list(dict.fromkeys(b for s in shapes for b in batches[s]))
+    timings, measured = timings_for(distinct, schedule, eps=eps, dtype=dtype, device=device)
+    mine = {s: (1, _summed([timings[b] for b in batches[s]])) for s in shapes}
     everyone = gather(mine) if gather is not None else [mine]
     per_shape: dict[tuple[int, int], list] = {}
     for rows in everyone:
@@ -331,7 +335,7 @@ def _agree_ns_backends(
     set_auto_choices(
         {auto_key(device, shape, dtype, schedule, eps): name for shape, name in picks.items()}
     )
-    report = NSBackendReport(picks, measured, len(shapes) - measured, time.perf_counter() - start)
+    report = NSBackendReport(picks, measured, len(distinct) - measured, time.perf_counter() - start)
     logger.info(
         "dmuon: ns_backend='auto' for %s on %d rank(s): %s (each backend checked against "
         "torch's result on this device for the shape, coefficients, dtype and eps; this "
@@ -341,3 +345,26 @@ def _agree_ns_backends(
         report.measured, report.cached, report.seconds,
     )  # fmt: skip
     return report
+
+
+def step_batches(shape: tuple[int, int], counts: Sequence[int]) -> list[tuple[int, ...]]:
+    """The shapes Newton-Schulz gets in one step for parameters of matrix shape ``shape``
+    holding ``counts`` matrices each (in step order): the step's own batching
+    (:func:`~torchtitan_dmuon.optim.muon.muon_update`), applied to shape-only stand-ins.
+
+    A batch of one parameter runs as that parameter (a matrix, or a stack); a batch of
+    several runs as one stack of all their matrices.
+    """
+    params = [torch.empty((n, *shape) if n > 1 else shape, device="meta") for n in counts]
+    return [
+        tuple(params[batch[0]].shape)
+        if len(batch) == 1
+        else (sum(counts[i] for i in batch), *shape)
+        for batch in _batches(params)
+    ]
+
+
+def _summed(timings: list[dict[str, float]]) -> dict[str, float]:
+    """Milliseconds per backend over several batches, for the backends timed on all."""
+    names = set.intersection(*(set(t) for t in timings))
+    return {name: sum(t[name] for t in timings) for name in sorted(names)}

@@ -34,6 +34,7 @@ __all__ = [
     "poly_apply",
     "sym_gram",
     "sym_poly",
+    "torch_fp32_matmul_precision",
     "triton_newton_schulz",
 ]
 
@@ -257,11 +258,22 @@ _syrk_tuned = triton.autotune(configs=_SYRK_CONFIGS, key=["M", "K", "HAS_C"])(_s
 _gemm_tuned = triton.autotune(configs=_GEMM_CONFIGS, key=["M", "N"])(_gemm_axpy_kernel)
 
 
+def torch_fp32_matmul_precision() -> str:
+    """The precision torch's CUDA matmuls give fp32 inputs: ``"tf32"`` or ``"ieee"``.
+
+    Read through the ``fp32_precision`` API: reading the legacy ``allow_tf32`` raises once a
+    job has set the new one. The getter already resolves ``"none"`` (unset at the matmul
+    level) to the setting inherited from ``torch.backends.fp32_precision``; ``"none"`` at
+    every level is torch's default, full fp32.
+    """
+    return "tf32" if torch.backends.cuda.matmul.fp32_precision == "tf32" else "ieee"
+
+
 def _kernel_flags(dtype: torch.dtype) -> dict[str, object]:
     """Compile-time flags shared by both kernels for inputs of ``dtype``."""
     if dtype == torch.float32:
         # Follow torch's matmul setting, so fp32 results compare with the torch backend.
-        precision = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+        precision = torch_fp32_matmul_precision()
     else:
         precision = None
     upcast = INTERPRET and dtype in (torch.float16, torch.bfloat16)
