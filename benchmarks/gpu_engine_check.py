@@ -71,8 +71,9 @@ SOLO_CASES = {
     "failed_backward_recovery": {"fail_before_step": 2},
     "failed_step": {"fail_step_at": (1, 0)},
     "ns_fp32": {"ns_dtype": torch.float32},
-    "compiled_blocks": {"compile_blocks": True},
 }
+# World size 1 in a process of its own (Inductor compiles for a while).
+COMPILED_CASES = {"compiled_blocks": {"compile_blocks": True}}
 # Several ranks on one GPU over gloo: (world size, config).
 SHARED_CASES = {
     "gloo2_no_fsdp": (2, {"fsdp": False}),
@@ -186,38 +187,50 @@ def compare(result: dict, config: dict, world: int, device: str) -> dict:
 
 
 def engine(args: argparse.Namespace) -> dict:
+    """Every case, the JSON rewritten after each (a step stopped by its timeout keeps
+    what ran)."""
     device = args.device
     solo_backend = "nccl" if device == "cuda" else "gloo"
-    cases = []
     started = time.monotonic()
-    try:
-        solo = run_distributed(
-            solo_job, 1, device, SOLO_CASES, timeout=args.timeout, backend=solo_backend
-        )[0]
-    except Exception as error:  # noqa: BLE001 - the process itself failed
-        solo = {name: {"error": _error(error)} for name in SOLO_CASES}
-    for name, config in SOLO_CASES.items():
-        cases.append(_row(f"{solo_backend}1_{name}", 1, config, solo[name], device))
+    result = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "cases": [],
+    }
+
+    def record(row: dict) -> None:
+        result["cases"].append(row)
+        result["seconds"] = round(time.monotonic() - started, 1)
+        result["passed"] = sum(r["ok"] for r in result["cases"])
+        result["failed"] = sum(not r["ok"] for r in result["cases"])
+        _write(args.out, result)
+        verdict = "ok" if row["ok"] else f"FAIL {row.get('error') or row.get('problems')}"
+        print(f"{row['case']:<34} world {row['world']}  {verdict}", flush=True)
+
+    for cases in (SOLO_CASES, COMPILED_CASES):
+        try:
+            solo = run_distributed(
+                solo_job, 1, device, cases, timeout=args.timeout, backend=solo_backend
+            )[0]
+        except Exception as error:  # noqa: BLE001 - the process itself failed
+            solo = {name: {"error": _first_error(str(error))} for name in cases}
+        for name, config in cases.items():
+            record(_row(f"{solo_backend}1_{name}", 1, config, solo[name], device))
     for name, (world, config) in SHARED_CASES.items():
         try:
             by_rank = run_distributed(
-                shared_job, world, device, config, timeout=args.timeout, pg_timeout=60
+                shared_job, world, device, config, timeout=args.timeout / 2, pg_timeout=30
             )
-            result = by_rank[0]
+            outcome = by_rank[0]
         except Exception as error:  # noqa: BLE001 - gloo refused a CUDA collective, say
-            result = {"error": _first_error(str(error))}
-        cases.append(_row(name, world, config, result, device))
-    for row in cases:
-        verdict = "ok" if row["ok"] else f"FAIL {row.get('error') or row.get('problems')}"
-        print(f"{row['case']:<34} world {row['world']}  {verdict}", flush=True)
-    return {
-        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "seconds": round(time.monotonic() - started, 1),
-        "cases": cases,
-        "passed": sum(r["ok"] for r in cases),
-        "failed": sum(not r["ok"] for r in cases),
-    }
+            outcome = {"error": _first_error(str(error))}
+        record(_row(name, world, config, outcome, device))
+    return result
+
+
+def _write(path: Path, result: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1, default=str))
 
 
 def _first_error(text: str) -> str:
@@ -364,7 +377,12 @@ def main() -> int:
         p.add_argument("--out", type=Path, required=True, help="the JSON to write")
         p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
         if name == "engine":
-            p.add_argument("--timeout", type=float, default=150, help="seconds per process set")
+            p.add_argument(
+                "--timeout",
+                type=float,
+                default=90,
+                help="seconds per world-size-1 process (half that for each multi-rank case)",
+            )
         else:
             p.add_argument("--warmup", type=int, default=2)
             p.add_argument("--steps", type=int, default=3)
@@ -373,8 +391,7 @@ def main() -> int:
         print("no CUDA device: nothing to check", file=sys.stderr)
         return 1
     result = engine(args) if args.command == "engine" else syncs(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1, default=str))
+    _write(args.out, result)
     print(f"wrote {args.out}")
     return 1 if result.get("failed") else 0
 
