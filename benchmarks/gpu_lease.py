@@ -435,7 +435,7 @@ def markdown(summary: dict) -> str:
             f"{_cell(s.get('figures'))} | {_cell(s.get('error'))} |"
         )
     if ns := summary.get("ns"):
-        lines += ["", "## Newton-Schulz at Llama-3 8B's shapes", ""]
+        lines += ["", "## Newton-Schulz backends (on a GPU: Llama-3 8B's shapes)", ""]
         lines += [
             "| shape | mode | backend | first call s | ms | TFLOP/s | x torch | rel.err | ok |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",

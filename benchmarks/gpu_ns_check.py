@@ -116,36 +116,44 @@ def main() -> int:
     except ImportError:
         triton_version = None
     print(f"{name}, torch {torch.__version__}, triton {triton_version}", flush=True)
-    timings = [r for shape in args.shapes for r in time_backends(shape, device, args.reps)]
-    print(f"{'preset':>14} {'shape':>14} {'mode':>5} {'backend':>7} {'rel.err':>9}  notes")
-    checks = []
-    for shape in args.shapes:
-        try:
-            checks += check_ns_cuda.check_backends("quintic", shape, modes=tuple(MODES))
-        except Exception as error:  # noqa: BLE001 - record it, go on with the next shape
-            checks.append(
-                dict(shape=list(shape), ok=False, error=f"{type(error).__name__}: {error}")
-            )
-    square = max((s for s in args.shapes if s[0] == s[1]), default=args.shapes[0])
-    try:
-        checks.append(check_ns_cuda.check_symmetry(square))
-    except Exception as error:  # noqa: BLE001
-        checks.append(dict(check="sym_gram", ok=False, error=f"{type(error).__name__}: {error}"))
-    failures = sum(not r["ok"] for r in checks) + sum("error" in r for r in timings)
-    os.makedirs(args.out, exist_ok=True)
     result = {
         "device": name,
         "torch": torch.__version__,
         "triton": triton_version,
         "reps": args.reps,
-        "timings": timings,
-        "checks": checks,
-        "failures": failures,
+        "timings": [],
+        "checks": [],
     }
-    Path(args.out, "ns.json").write_text(json.dumps(result, indent=1))
-    print(
-        f"{failures} failure(s) of {len(checks) + len(timings)} records; wrote {args.out}/ns.json"
-    )
+
+    def save() -> int:
+        """ns.json as it stands (rewritten after each shape: a timeout keeps what ran)."""
+        failures = sum(not r["ok"] for r in result["checks"])
+        failures += sum("error" in r for r in result["timings"])
+        result["failures"] = failures
+        os.makedirs(args.out, exist_ok=True)
+        Path(args.out, "ns.json").write_text(json.dumps(result, indent=1))
+        return failures
+
+    for shape in args.shapes:
+        result["timings"] += time_backends(shape, device, args.reps)
+        print(f"{'preset':>14} {'shape':>14} {'mode':>5} {'backend':>7} {'rel.err':>9}  notes")
+        try:
+            result["checks"] += check_ns_cuda.check_backends("quintic", shape, modes=tuple(MODES))
+        except Exception as error:  # noqa: BLE001 - record it, go on with the next shape
+            result["checks"].append(
+                dict(shape=list(shape), ok=False, error=f"{type(error).__name__}: {error}")
+            )
+        save()
+    square = max((s for s in args.shapes if s[0] == s[1]), default=args.shapes[0])
+    try:
+        result["checks"].append(check_ns_cuda.check_symmetry(square))
+    except Exception as error:  # noqa: BLE001
+        result["checks"].append(
+            dict(check="sym_gram", ok=False, error=f"{type(error).__name__}: {error}")
+        )
+    failures = save()
+    records = len(result["checks"]) + len(result["timings"])
+    print(f"{failures} failure(s) of {records} records; wrote {args.out}/ns.json")
     return 1 if failures else 0
 
 
