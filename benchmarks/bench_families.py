@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_families.py --steps 60 --out benchmarks/results/families
     .venv/bin/python benchmarks/bench_families.py --families qwen2.5-1.5B --nproc 8 \
-        --ns-dtype auto --steps 20   # the real sizes: GPUs (benchmarks/gpu_check_families.sh)
+        --ns-dtype auto --steps 20   # the real sizes: GPUs (docs/gpu.md)
 
 Trains each family's debug config (llama3 through TorchTitan's own model; Qwen2.5, Mistral
 and Llama-3.2 through its HF backend, which needs ``transformers``: ``setup.sh --dev``)

@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/titan_cases.py --out benchmarks/results/titan_cases
     .venv/bin/python benchmarks/titan_cases.py --cases hsdp+tp pp_dp_tp --optimizers dmuon
+    .venv/bin/python benchmarks/titan_cases.py --gpu-only --out out/cases   # 4-8 GPUs
 
 Each case is launched through ``./run_train.sh`` on ``train_configs/debug_cpu.toml`` (the
 CPU counterpart of TorchTitan's ``tests/integration_tests/base_config.toml``: llama3
@@ -13,6 +14,8 @@ the Newton-Schulz and held-bytes balance of DMuon's startup line.
 
 Prints a table and writes ``results.json``, ``table.md`` and ``final_loss.png`` into
 ``--out``; each run's folder (with its ``output.log``) goes under ``--dumps``.
+``--gpu-only`` runs the cases no CPU can run (:data:`GPU_ONLY`) that fit the GPUs torch
+sees, and names the others as skipped.
 """
 
 from __future__ import annotations
@@ -138,6 +141,13 @@ CASES = [
     _case("balance_llama4", "balance", 4, f"--model.name llama4 {DP} 4 {EP} 2"),
 ]  # fmt: skip
 OPTIMIZERS = {"dmuon": [], "adamw": ["--optimizer.name", "AdamW"]}
+GPU_ONLY = (
+    "deepseek_v3_flex+pp+fsdp+ep+sacop", "gpt_oss_fsdp+tp+ep+compile", "qwen3_fsdp+tp",
+    "qwen3_fsdp+tp+ep+etp", "hsdp+cp_with_dp_shard", "pp_dualpipev", "fsdp+tp+cp",
+    "cpu_offload+opt_in_bwd+TP+DP+CP", "validation_tp_cp_pp",
+)  # fmt: skip
+"""The cases that cannot run on CPU for any optimizer: FlexAttention has no CPU backward;
+SDPA's CPU kernels have no DTensor rule under TP or CP; DualPipeV needs an accelerator."""
 
 
 def this_machine() -> dict:
@@ -277,6 +287,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="+", choices=[c.name for c in CASES])
     parser.add_argument("--optimizers", nargs="+", choices=list(OPTIMIZERS), default=None)
+    parser.add_argument(
+        "--gpu-only", action="store_true", help="the GPU-only cases that fit this machine's GPUs"
+    )
     parser.add_argument("--timeout", type=int, default=1500, help="seconds per command")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/titan_cases"))
     parser.add_argument(
@@ -284,6 +297,15 @@ def main() -> None:
     )
     args = parser.parse_args()
     cases = [c for c in CASES if args.cases is None or c.name in args.cases]
+    if args.gpu_only:
+        gpus = torch.cuda.device_count()
+        for case in cases:
+            if case.name in GPU_ONLY and case.ngpu > gpus:
+                print(f"skipped {case.name}: needs {case.ngpu} GPUs, this machine has {gpus}")
+        cases = [c for c in cases if c.name in GPU_ONLY and c.ngpu <= gpus]
+        if not cases:
+            print(f"no GPU-only case fits {gpus} GPU(s)")
+            return
     args.out.mkdir(parents=True, exist_ok=True)
     results = args.out / "results.json"
     rows = json.loads(results.read_text())["rows"] if results.exists() else []

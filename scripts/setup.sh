@@ -9,9 +9,10 @@
 # torch is installed first and then frozen with a constraint, so that no later
 # requirement can swap it: on a machine without an NVIDIA GPU that is the CPU build
 # of torch 2.13.0 (plus triton 3.9.0, which torchtitan imports); on a CUDA machine
-# the CUDA torch already present (>= 2.13) is kept and everything is installed around it,
-# or, where there is none, torch is installed from DMUON_TORCH_INDEX_URL (default: the
-# package index; e.g. https://download.pytorch.org/whl/cu128 for CUDA 12.8 wheels).
+# the CUDA torch already present (2.11 to 2.14: TORCH_SUPPORTED) is kept and everything
+# is installed around it, or, where there is none, torch is installed from
+# DMUON_TORCH_INDEX_URL (default: the package index; e.g.
+# https://download.pytorch.org/whl/cu128 for CUDA 12.8 wheels).
 # A venv holding CPU torch on a node with NVIDIA GPUs stops every launch with the fix
 # (DMUON_ALLOW_CPU=1: train on the CPUs anyway).
 set -euo pipefail
@@ -22,6 +23,11 @@ PY="$VENV/bin/python"
 STAMP="$VENV/.dmuon-setup-stamp"
 TORCH_CPU_VERSION="2.13.0"
 TRITON_CPU_VERSION="3.9.0"
+# pyproject.toml's range (the README's "Install into another project" says why): from
+# 2.11, what GPU images ship (the GPU check machine's 2.11+cu130), checked against the
+# package's torch calls (docs/gpu.md); below 2.15, as the engine reads FSDP2 internals
+# that a later torch may move. CPU machines get TORCH_CPU_VERSION.
+TORCH_SUPPORTED=">=2.11,<2.15"
 
 log() { echo "[setup] $*" >&2; }
 
@@ -83,9 +89,9 @@ if [[ "$has_gpu" == 1 && -n "$installed_torch" && "$installed_torch" != *+cpu* ]
 elif [[ "$has_gpu" == 1 ]]; then
   index=()
   [[ -z "${DMUON_TORCH_INDEX_URL:-}" ]] || index=(--index-url "$DMUON_TORCH_INDEX_URL")
-  log "NVIDIA GPU found and no CUDA torch present: installing torch>=2.13 from" \
+  log "NVIDIA GPU found and no CUDA torch present: installing torch$TORCH_SUPPORTED from" \
     "${DMUON_TORCH_INDEX_URL:-the default index}"
-  "${PIP[@]}" install ${index[@]+"${index[@]}"} "torch>=2.13,<2.15"
+  "${PIP[@]}" install ${index[@]+"${index[@]}"} "torch$TORCH_SUPPORTED"
 elif [[ "$installed_torch" != "$TORCH_CPU_VERSION"* ]]; then
   log "installing CPU torch $TORCH_CPU_VERSION"
   "${PIP[@]}" install "torch==$TORCH_CPU_VERSION"
@@ -100,8 +106,8 @@ fi
 
 torch_now="$("$PY" -c 'import torch; print(torch.__version__)')"
 case "$torch_now" in
-  2.13.*|2.14.*) ;;
-  *) echo "[setup] torch $torch_now is not supported (need 2.13 or 2.14)" >&2; exit 1 ;;
+  2.11.* | 2.12.* | 2.13.* | 2.14.*) ;;
+  *) echo "[setup] torch $torch_now is not supported (need torch$TORCH_SUPPORTED: 2.11 to 2.14)" >&2; exit 1 ;;
 esac
 constraints="$(mktemp)"
 trap 'rm -f "$constraints"' EXIT

@@ -6,6 +6,8 @@ value. A rank that raises fails the test with its traceback; a run that does not
 in ``timeout`` seconds (a hang) is killed and fails the test. ``pg_timeout`` sets the
 group's own timeout (``init_process_group(timeout=...)``); ``leave_together=False`` skips
 the barrier and teardown after ``fn``, for a test that leaves the group broken.
+``backend="nccl"`` (the GPU check, ``benchmarks/gpu_engine_check.py``) gives each rank
+the GPU ``rank % device_count`` first; gloo ranks may hold CUDA tensors too, all on one GPU.
 
 The ranks are forked from multiprocessing's forkserver, which imports torch, the engine
 and the test workers once per session: a spawned rank imports them again, ~6 CPU-seconds
@@ -32,7 +34,9 @@ _CONTEXT = mp.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "tests.workers"])
 
 
-def _worker(fn, rank, world_size, store_path, result_path, env, args, pg_timeout, leave_together):
+def _worker(
+    fn, rank, world_size, store_path, result_path, env, args, pg_timeout, leave_together, backend
+):
     import torch.distributed as dist
 
     # The test's environment now, as a spawned rank would get it, not the forkserver's
@@ -46,8 +50,10 @@ def _worker(fn, rank, world_size, store_path, result_path, env, args, pg_timeout
     torch.set_num_threads(1)
     try:
         timeout = {} if pg_timeout is None else {"timeout": timedelta(seconds=pg_timeout)}
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(
-            "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size, **timeout
+            backend, init_method=f"file://{store_path}", rank=rank, world_size=world_size, **timeout
         )
         result = fn(rank, world_size, *args)
         torch.save({"ok": True, "result": result}, result_path)
@@ -82,9 +88,10 @@ def run_distributed(
     timeout: float = DEFAULT_TIMEOUT,
     pg_timeout: float | None = None,
     leave_together: bool = True,
+    backend: str = "gloo",
 ) -> list:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the results
-    by rank."""
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks of ``backend`` (gloo);
+    return the results by rank."""
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         paths = [os.path.join(tmp, f"rank{r}.pt") for r in range(world_size)]
@@ -92,7 +99,18 @@ def run_distributed(
         procs = [
             _CONTEXT.Process(
                 target=_worker,
-                args=(fn, r, world_size, store, paths[r], env, args, pg_timeout, leave_together),
+                args=(
+                    fn,
+                    r,
+                    world_size,
+                    store,
+                    paths[r],
+                    env,
+                    args,
+                    pg_timeout,
+                    leave_together,
+                    backend,
+                ),
             )
             for r in range(world_size)
         ]

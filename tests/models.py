@@ -92,12 +92,13 @@ def _expert_parallel_mix(x: torch.Tensor, gate: torch.Tensor, experts: DTensor) 
     group, rank = mesh.get_group(), mesh.get_local_rank()
     local = experts.to_local()
     first = rank * local.shape[0]
-    tokens = funcol.wait_tensor(funcol.all_gather_single_autograd(x.contiguous(), 0, group))
-    gates = funcol.wait_tensor(funcol.all_gather_single_autograd(gate.contiguous(), 0, group))
+    # The *_tensor_autograd collectives: torch 2.11 has them (not the *_single_autograd ones).
+    tokens = funcol.wait_tensor(funcol.all_gather_tensor_autograd(x.contiguous(), 0, group))
+    gates = funcol.wait_tensor(funcol.all_gather_tensor_autograd(gate.contiguous(), 0, group))
     gates = gates[..., first : first + local.shape[0]]
     hidden = nn.functional.silu(torch.einsum("bsd,edh->bseh", tokens, local))
     partial = torch.einsum("bse,bseh->bsh", gates, hidden)
-    return funcol.wait_tensor(funcol.reduce_scatter_single_autograd(partial, "sum", 0, group))
+    return funcol.wait_tensor(funcol.reduce_scatter_tensor_autograd(partial, "sum", 0, group))
 
 
 def shard_experts(model: nn.Module, ep_mesh) -> None:

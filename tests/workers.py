@@ -121,6 +121,8 @@ def train_dmuon(
     ep=1,
     variant="muon",
     owner_group_size=None,
+    device="cpu",
+    compile_blocks=False,
 ):
     """Train the tiny transformer with DMuon; return losses, full params and counters.
 
@@ -137,24 +139,29 @@ def train_dmuon(
     ``ep`` > 1 shards the ExpertBlocks' stacks over an ``ep`` mesh (TorchTitan's sparse
     layout: replicate x efsdp x ep, ep innermost) and dedicates them over ``efsdp``.
     ``variant``: Muon's (``"normuon"``: NorMuon). ``owner_group_size``: ``dedicate_params``'s
-    (None: the planner's choice).
+    (None: the planner's choice). ``device``: where the model, the data and the meshes live
+    (``"cuda"``: the GPU check, ``benchmarks/gpu_engine_check.py``; the data is drawn on the
+    CPU and moved, so it is the same on every device). ``compile_blocks``: each block
+    ``torch.compile``d before dedication and FSDP, as TorchTitan's per-block compile (its
+    parameters' names then hold ``_orig_mod``).
     """
+    device = torch.device(device)
     if hsdp_shape is None:
-        mesh = fsdp_mesh = init_device_mesh("cpu", (world,))
+        mesh = fsdp_mesh = init_device_mesh(device.type, (world,))
         replicate_mesh = None
     else:
-        fsdp_mesh = init_device_mesh("cpu", hsdp_shape, mesh_dim_names=("replicate", "shard"))
+        fsdp_mesh = init_device_mesh(device.type, hsdp_shape, mesh_dim_names=("replicate", "shard"))
         mesh, replicate_mesh = fsdp_mesh["shard"], fsdp_mesh["replicate"]
     if meta_init:
         with torch.device("meta"):
             model = make_model(seed=0, **(model_kwargs or {}))
     else:
-        model = make_model(seed=0, **(model_kwargs or {}))
+        model = make_model(seed=0, **(model_kwargs or {})).to(device)
     expert_mesh = None
     if ep > 1:
         replicas, shards = hsdp_shape or (1, world)
         sparse = init_device_mesh(
-            "cpu", (replicas, shards // ep, ep), mesh_dim_names=("replicate", "efsdp", "ep")
+            device.type, (replicas, shards // ep, ep), mesh_dim_names=("replicate", "efsdp", "ep")
         )
         shard_experts(model, sparse["ep"])
         expert_mesh = sparse["efsdp"]
@@ -164,6 +171,9 @@ def train_dmuon(
         for i, block in enumerate(model.layers):
             model.layers[i] = checkpoint_wrapper(block)
         hook_boundary_predicate = _inner_block
+    if compile_blocks:
+        for i, block in enumerate(model.layers):
+            model.layers[i] = torch.compile(block)
     dedication = dedicate_params(
         model,
         mesh,
@@ -188,15 +198,15 @@ def train_dmuon(
     report = plan_report(model, counts)
     if meta_init == "plan":
         # Materialized at the plan's size: this rank allocates only what it holds.
-        source = make_model(seed=0, **(model_kwargs or {}))
-        materialize(model, "cpu", functools.partial(_copy_init_values, model, source))
+        source = make_model(seed=0, **(model_kwargs or {})).to(device)
+        materialize(model, device, functools.partial(_copy_init_values, model, source))
     elif meta_init:
         # As TorchTitan does: materialize after fully_shard, then initialize in place.
         swap = torch.__future__.get_swap_module_params_on_conversion()
         torch.__future__.set_swap_module_params_on_conversion(meta_init == "swap")
-        model.to_empty(device="cpu")
+        model.to_empty(device=device)
         torch.__future__.set_swap_module_params_on_conversion(swap)
-        _copy_init_values(model, make_model(seed=0, **(model_kwargs or {})))
+        _copy_init_values(model, make_model(seed=0, **(model_kwargs or {})).to(device))
     compute_dtypes = set()
     model.layers[0].register_forward_pre_hook(
         lambda m, args: compute_dtypes.add(m.q_proj.weight.dtype)
@@ -215,7 +225,7 @@ def train_dmuon(
     profiler = None
     for step in range(steps):
         if step == fail_before_step:
-            _failing_pass(model, opt, rank, world)
+            _failing_pass(model, opt, rank, world, device)
         if step == record_events_at:
             profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
             profiler.__enter__()
@@ -223,13 +233,14 @@ def train_dmuon(
             profiler.__exit__(None, None, None)
             events = _engine_events(profiler)
             profiler = None
-        total = torch.zeros(())
+        total = torch.zeros((), device=device)
         with CollectiveCounter() as counter:
             opt.zero_grad()
             for micro in range(accum):
                 if sync_last_micro_batch_only:
                     set_requires_gradient_sync(model, micro == accum - 1)
                 inputs, targets = data_for(step * accum + micro, rank, world, same_data)
+                inputs, targets = inputs.to(device), targets.to(device)
                 # "full": recompute whole blocks (their post-forward hooks run in backward).
                 with set_checkpoint_early_stop(checkpoint_blocks != "full"):
                     loss = loss_fn(model, inputs, targets) / accum
@@ -307,8 +318,8 @@ def misaligned_views(dedication, opt) -> list[str]:
     return [name for name, view in views if view.data_ptr() % 16]
 
 
-def _failing_pass(model, opt, rank, world) -> None:
-    inputs, targets = data_for(999, rank, world, same_data=False)
+def _failing_pass(model, opt, rank, world, device) -> None:
+    inputs, targets = (t.to(device) for t in data_for(999, rank, world, same_data=False))
     failing_pass(opt.zero_grad, model.layers[0], lambda: loss_fn(model, inputs, targets).backward())
 
 
@@ -559,11 +570,13 @@ def train_reference(
     predicate=proj_predicate,
     model_kwargs=None,
     variant="muon",
+    device="cpu",
 ):
     """One process: torch.optim.Muon (NorMuon for ``variant`` "normuon") on the dedicated
-    matrices, torch.optim.AdamW on the rest, on the concatenation of every rank's batch."""
+    matrices, torch.optim.AdamW on the rest, on the concatenation of every rank's batch
+    (on ``device``, with the data of :func:`train_dmuon` there)."""
     with reference_setup(ns_dtype):
-        model = make_model(seed=0, **(model_kwargs or {}))
+        model = make_model(seed=0, **(model_kwargs or {})).to(device)
         muon = [p for n, p in model.named_parameters() if predicate(n, p)]
         ids = {id(p) for p in muon}
         rest = [p for p in model.parameters() if id(p) not in ids]
@@ -581,6 +594,7 @@ def train_reference(
                     inputs, targets = data_for(step * accum + micro, 0, world, True)
                 else:
                     inputs, targets = batch(100 + step * accum + micro, 2 * world)
+                inputs, targets = inputs.to(device), targets.to(device)
                 loss = loss_fn(model, inputs, targets) / accum
                 loss.backward()
                 total += loss.item()

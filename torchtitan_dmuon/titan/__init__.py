@@ -21,10 +21,13 @@ VLA's action head, an SDPA path for CPU).
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 from torchtitan.protocols.train_spec import get_train_spec, register_train_spec
 
 __all__ = ["MODELS", "register"]
+
+logger = logging.getLogger(__name__)
 
 MODELS = ("llama3", "qwen3", "llama4", "deepseek_v3", "gpt_oss")
 """TorchTitan models whose train specs DMuon wraps (same names: selecting ``[optimizer]
@@ -57,6 +60,34 @@ def _wrap_optimizer_builder(build_optimizers_fn):
     return build
 
 
+def _wrapped_spec(name: str):
+    """TorchTitan's train spec ``name`` with DMuon's parallelize, pipelining and optimizer
+    functions (and, for the HF backend and the vlm experiment, this package's flavors)."""
+    from torchtitan_dmuon.titan import hf, vlm
+    from torchtitan_dmuon.titan.parallelize import with_dedication, with_pipeline_stages
+
+    spec = get_train_spec(name)
+    pipelining_fn = spec.pipelining_fn
+    parallelize_fn, extra = with_dedication(spec.parallelize_fn), {}
+    if name == hf.HF_MODEL:  # the backend's flavors and the families' own
+        parallelize_fn = hf.with_tied_embeddings(parallelize_fn)
+        extra["model_args"] = {**spec.model_args, **hf.family_flavors()}
+        extra["model_cls"] = hf.model_class()
+    if name == vlm.VLM_MODEL:  # the modes, the SDPA path, the offline data
+        extra["model_args"] = vlm.flavors()
+        extra["model_cls"] = vlm.model_class()
+        extra["build_dataloader_fn"] = vlm.build_vlm_dataloader
+        extra["build_tokenizer_fn"] = vlm.build_vlm_tokenizer
+        extra["build_loss_fn"] = vlm.build_vlm_loss
+    return dataclasses.replace(
+        spec,
+        parallelize_fn=parallelize_fn,
+        pipelining_fn=with_pipeline_stages(pipelining_fn) if pipelining_fn else None,
+        build_optimizers_fn=_wrap_optimizer_builder(spec.build_optimizers_fn),
+        **extra,
+    )
+
+
 def register() -> None:
     """Register DMuon-aware train specs for :data:`MODELS`. Idempotent. (The CPU layer is
     the trainer's: ``DMuonTrainer`` installs it and undoes it.)"""
@@ -64,33 +95,19 @@ def register() -> None:
     if _registered:
         return
     from torchtitan_dmuon.titan import hf, vlm
-    from torchtitan_dmuon.titan.parallelize import with_dedication, with_pipeline_stages
 
     names = [*MODELS, hf.HF_MODEL] if hf.available() else [*MODELS]
     if vlm.available():
         names.append(vlm.VLM_MODEL)
     for name in names:
-        spec = get_train_spec(name)
-        pipelining_fn = spec.pipelining_fn
-        parallelize_fn, extra = with_dedication(spec.parallelize_fn), {}
-        if name == hf.HF_MODEL:  # the backend's flavors and the families' own
-            parallelize_fn = hf.with_tied_embeddings(parallelize_fn)
-            extra["model_args"] = {**spec.model_args, **hf.family_flavors()}
-            extra["model_cls"] = hf.model_class()
-        if name == vlm.VLM_MODEL:  # the modes, the SDPA path, the offline data
-            extra["model_args"] = vlm.flavors()
-            extra["model_cls"] = vlm.model_class()
-            extra["build_dataloader_fn"] = vlm.build_vlm_dataloader
-            extra["build_tokenizer_fn"] = vlm.build_vlm_tokenizer
-            extra["build_loss_fn"] = vlm.build_vlm_loss
-        register_train_spec(
-            name,
-            dataclasses.replace(
-                spec,
-                parallelize_fn=parallelize_fn,
-                pipelining_fn=with_pipeline_stages(pipelining_fn) if pipelining_fn else None,
-                build_optimizers_fn=_wrap_optimizer_builder(spec.build_optimizers_fn),
-                **extra,
-            ),
-        )
+        try:
+            spec = _wrapped_spec(name)
+        except Exception as error:
+            if name in MODELS:
+                raise
+            # An optional backend whose packages are there in a version TorchTitan 0.2.2's
+            # code cannot use (a GPU image's transformers, say): the other models train.
+            logger.warning("dmuon: %s is not registered: %s: %s", name, type(error).__name__, error)
+            continue
+        register_train_spec(name, spec)
     _registered = True
