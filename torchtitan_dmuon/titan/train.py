@@ -125,6 +125,8 @@ class DMuonTrainer(Trainer):
         log = self.metrics_processor.log
 
         def log_with_dmuon(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+            # The warnings of the steps skipped since the last logging step.
+            self.optimizers.log_skipped_steps()
             extra = dict(extra_metrics or {})
             extra.update(self._dmuon_metrics(step))
             qk = ""
@@ -155,6 +157,8 @@ class DMuonTrainer(Trainer):
         # The last step's async replicate broadcasts must land before the groups go.
         for dedication in self.dedications:
             dedication.wait_replicas()
+        if self.dedications:  # the steps skipped after the last logging step
+            self.optimizers.log_skipped_steps()
         gc.collect()
         if dist.is_initialized():
             dist.barrier()
