@@ -80,8 +80,10 @@ def _device_to_host(func, args, kwargs) -> bool:
     """Whether a copy op moves a device tensor into host memory."""
     if func is torch.ops.aten._to_copy.default:
         source, target = args[0], kwargs.get("device")
-        return target is not None and torch.device(target).type == "cpu" and (
-            source.device.type != "cpu"
+        return (
+            target is not None
+            and torch.device(target).type == "cpu"
+            and (source.device.type != "cpu")
         )
     destination, source = args[0], args[1]
     return destination.device.type == "cpu" and source.device.type != "cpu"

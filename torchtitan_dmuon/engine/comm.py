@@ -1,11 +1,12 @@
 """Collectives of the ownership engine, with byte accounting.
 
-Every collective the package issues goes through here (a test scans the sources), so
-that the per-step figures a user sees (bytes broadcast and reduced, collective counts)
-are counted where they happen, and so that each tensor is checked to live on a device
-its group has a backend for before any rank starts the collective (an NCCL-only group
-given a CPU tensor would fail on some ranks only, or hang). ``torch.distributed``
-functions are looked up at call time, so a test can wrap them.
+Every collective the package issues goes through here (tests/test_comm_routing.py scans
+the sources), so that the per-step figures a user sees (bytes broadcast and reduced,
+collective counts) are counted where they happen, and so that each tensor is checked to
+live on a device its group has a backend for before any rank starts the collective (an
+NCCL-only group given a CPU tensor fails with "No backend type associated with device
+type cpu"). ``torch.distributed`` functions are looked up at call time, so a test can
+wrap them.
 """
 
 from __future__ import annotations
@@ -218,7 +219,7 @@ def check_device(collective: str, tensor: torch.Tensor, group: dist.ProcessGroup
     """
     group = group if group is not None else dist.group.WORLD
     device_types = {d.type for d in group._device_types}
-    if is_fake(group) or tensor.device.type in device_types:
+    if tensor.device.type in device_types or is_fake(group):
         return
     raise ValueError(
         f"{collective}: a tensor on {tensor.device} handed to process group "
