@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -18,8 +19,11 @@ from tests.workers import (
     data_for,
     reference_muon,
     reference_setup,
+    train_dmuon,
+    train_reference,
 )
 from torchtitan_dmuon import Muon, dedicate_params
+from torchtitan_dmuon.engine import comm
 from torchtitan_dmuon.host_sync import HostSyncCounter
 from torchtitan_dmuon.optim.muon import MatrixGroup, commit_group, compute_group
 from torchtitan_dmuon.optim.newton_schulz import newton_schulz, resolve_ns_schedule
@@ -189,3 +193,32 @@ def test_titan_train_step_syncs_no_more_than_adamw(tmp_path, monkeypatch):
         (line,) = [x for x in run.output.splitlines() if "HOST_SYNCS " in x]
         counts[name] = json.loads(line.split("HOST_SYNCS ", 1)[1])
     assert counts["dmuon"]["per_step"] <= counts["adamw"]["per_step"], counts
+
+
+def _agree_over_host_groups(rank, world):
+    """Training with rank 1's ``Muon.step`` failing at step 2, the engine's groups taken
+    for NCCL-only ones (no CPU backend): the failure is agreed over gloo groups created
+    beside them."""
+    original = comm.host_device
+
+    def as_nccl_only(group):
+        desc = group.group_desc if group is not None else ""
+        return None if desc.startswith("dmuon_") and not desc.endswith("_host") else original(group)
+
+    comm.host_device = as_nccl_only
+    try:
+        result = train_dmuon(rank, world, ns_dtype=torch.float32, steps=3, fail_step_at=(2, 1))
+    finally:
+        comm.host_device = original
+    host_groups = [g.group_desc for g in dist.distributed_c10d._world.pg_map]
+    return result, sorted(d for d in host_groups if d.endswith("_host"))
+
+
+def test_step_failure_agreed_over_gloo_groups_beside_device_only_ones():
+    by_rank = run_distributed(_agree_over_host_groups, 2)
+    reference = train_reference(2, steps=3, ns_dtype=torch.float32)
+    for result, host_groups in by_rank:
+        assert host_groups == ["dmuon_shard_reduce_host"]
+        failure = result["step_failure"]
+        assert failure["unchanged"] and "failed on rank(s) [1]" in failure["message"], failure
+        assert result["losses"] == pytest.approx(reference["losses"], rel=1e-4)

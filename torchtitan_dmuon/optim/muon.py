@@ -230,6 +230,7 @@ def _apply_masked(
         bufs = [momentum_buffers[i] for i in indices]
         new_bufs = torch._foreach_lerp(bufs, [grads[i] for i in indices], 1 - update.momentum)
         _select(bufs, new_bufs, [stepped[i] for i in indices])
+        del new_bufs  # one batch's new values alive at a time
         bucket = [params[i] for i in indices]
         shape = shapes[indices[0]] if shapes is not None else bucket[0].shape
         alpha = -adjusted_lr(lr, adjust_lr_fn, shape)
@@ -415,8 +416,9 @@ def commit_group(
     if update.second_moments is not None:
         for i, (key, moment) in enumerate(zip(group.keys, update.second_moments, strict=True)):
             if stepped is not None:  # a matrix that does not step keeps the old (or zero)
-                old = state[key].setdefault(SECOND_MOMENT, torch.zeros_like(moment))
-                _select([old], [moment], [stepped[i]])
+                if SECOND_MOMENT not in state[key]:
+                    state[key][SECOND_MOMENT] = torch.zeros_like(moment)
+                _select([state[key][SECOND_MOMENT]], [moment], [stepped[i]])
                 continue
             old = state[key].setdefault(SECOND_MOMENT, moment)
             if old is not moment:  # in place: DCP loads into the state's tensors

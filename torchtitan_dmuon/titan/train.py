@@ -167,7 +167,9 @@ class DMuonTrainer(Trainer):
         # After the first step TorchTitan shortens its groups' timeout to
         # comm.train_timeout_seconds (hang detection); the engine's own groups follow.
         _torchtitan_set_pg_timeouts(timeout, parallel_dims)
-        groups = [g for d in self.dedications for g in d.exchange.process_groups()]
+        groups = [
+            g for d in self.dedications for g in d.exchange.process_groups() + d.agreement_groups()
+        ]
         if groups and comm.is_fake(groups[0]):
             return  # a dry run: the fake backend has no timeout to set
         for group in groups:
