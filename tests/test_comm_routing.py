@@ -20,9 +20,6 @@ COLLECTIVES = {
     "send_object_list", "recv_object_list",
 }  # fmt: skip
 DISTRIBUTED = ("torch.distributed", "torch.distributed._functional_collectives")
-PENDING_ROUTING = {"engine/exchange.py"}
-"""Modules known to call collectives directly still, being rewritten to go through comm:
-empty this as they are (the test fails while a listed module no longer needs it)."""
 
 
 def _dotted(node: ast.expr) -> str | None:
@@ -91,10 +88,7 @@ def test_only_comm_calls_collectives():
         calls = direct_collectives(path.read_text())
         if calls:
             direct[module] = calls
-    unexpected = {m: calls for m, calls in direct.items() if m not in PENDING_ROUTING}
-    assert not unexpected, f"route these through engine/comm.py: {unexpected}"
-    done = PENDING_ROUTING - set(direct)
-    assert not done, f"{done} call no collective directly any more: empty PENDING_ROUTING"
+    assert not direct, f"route these through engine/comm.py: {direct}"
 
 
 def _refuse_cpu_tensor_on_cuda_only_group(rank, world):
@@ -107,7 +101,7 @@ def _refuse_cpu_tensor_on_cuda_only_group(rank, world):
     calls = {
         "all_reduce": lambda t: comm.all_reduce(t, group, stats),
         "all_gather_into_tensor": lambda t: comm.all_gather_into(
-            t.new_zeros(world * t.numel()), t, group, stats
+            t.new_zeros(world * t.numel()), t, group, stats, "all_gather"
         ),
         "broadcast": lambda t: comm.broadcast(t, 0, group, stats),
         "reduce": lambda t: comm.reduce_sum(t, 0, group, stats),
@@ -119,7 +113,7 @@ def _refuse_cpu_tensor_on_cuda_only_group(rank, world):
             errors[name] = str(error)
     assert not stats.calls, "a refused collective was counted"
     ok = torch.ones(1)
-    comm.all_reduce(ok, None, stats)  # the default group serves the CPU
+    comm.all_reduce(ok, None, stats).wait()  # the default group serves the CPU
     return errors, ok.item()
 
 
@@ -149,7 +143,7 @@ def test_all_reduce_and_all_gather_into_are_counted(op, expected):
 def _reduce_and_gather(rank, world, op):
     stats = comm.CommStats()
     tensor = torch.full((2,), float(rank + 1))
-    comm.all_reduce(tensor, None, stats, op=op, async_op=True).wait()
+    comm.all_reduce(tensor, None, stats, op=op).wait()
     out = torch.zeros(world)
-    comm.all_gather_into(out, torch.tensor([float(rank + 1)]), None, stats, "all_gather")
+    comm.all_gather_into(out, torch.tensor([float(rank + 1)]), None, stats, "all_gather").wait()
     return tensor.tolist(), out.tolist(), stats.snapshot()

@@ -31,10 +31,11 @@ from torchtitan_dmuon.optim.newton_schulz import newton_schulz, resolve_ns_sched
 COUNTED_STEPS = 3
 
 
-def count_host_syncs(rank, world, optimizer, hsdp_shape=None, replicate_async=False):
+def count_host_syncs(rank, world, optimizer, hsdp_shape=None, replicate_async=False, fsdp=True):
     """Host syncs of forward, backward, ``step()`` and ``zero_grad()`` over
     ``COUNTED_STEPS`` steps after a warm-up step (FSDP2's lazy initialization, the first
-    step's state), with ``optimizer`` ``"dmuon"`` or ``"adamw"`` (fused) over FSDP2."""
+    step's state), with ``optimizer`` ``"dmuon"`` or ``"adamw"`` (fused) over FSDP2
+    (``fsdp=False``: none, the engine keeps the other parameters in sync DDP-style)."""
     if hsdp_shape is None:
         mesh = fsdp_mesh = init_device_mesh("cpu", (world,))
         replicate_mesh = None
@@ -44,9 +45,10 @@ def count_host_syncs(rank, world, optimizer, hsdp_shape=None, replicate_async=Fa
     model = make_model(seed=0)
     if optimizer == "dmuon":
         dedicate_params(model, mesh, proj_predicate, replicate_mesh=replicate_mesh)
-    for layer in model.layers:
-        fully_shard(layer, mesh=fsdp_mesh)
-    fully_shard(model, mesh=fsdp_mesh)
+    if fsdp:
+        for layer in model.layers:
+            fully_shard(layer, mesh=fsdp_mesh)
+        fully_shard(model, mesh=fsdp_mesh)
     if optimizer == "dmuon":
         opt = Muon(
             model,
@@ -83,6 +85,13 @@ def test_dmuon_step_syncs_no_more_than_fused_adamw(world, layout):
     assert baseline == 0, [r["where"] for r in adamw]
     for r in dmuon:
         assert r["per_step"] <= baseline, r["where"]
+
+
+def test_ddp_style_step_syncs_nothing():
+    """No FSDP: the engine all-reduces the other parameters' gradients with their
+    has-gradient flags; a rank that computed every gradient reads no flag."""
+    for r in run_distributed(count_host_syncs, 2, "dmuon", None, False, False):
+        assert r["per_step"] == 0, r["where"]
 
 
 # ---- what replaced the host reads: decisions on the device ----------------------------

@@ -232,8 +232,8 @@ class DMuonTrainer(Trainer):
             )
             if self._qk_pp_group is not None:
                 group, stats = self._qk_pp_group, self._metrics_stats
-                comm.all_reduce(maximum, group, stats, "qk_metrics", op=dist.ReduceOp.MAX)
-                comm.all_reduce(clipped, group, stats, "qk_metrics")
+                comm.all_reduce(maximum, group, stats, "qk_metrics", op=dist.ReduceOp.MAX).wait()
+                comm.all_reduce(clipped, group, stats, "qk_metrics").wait()
             metrics["dmuon/qk_max_logit"] = maximum.item()
             metrics["dmuon/qk_clipped_heads"] = int(clipped.item())
         self._last_bytes, self._last_step_seconds, self._last_step = totals, step_seconds, step
