@@ -10,7 +10,8 @@ registers the train specs, then per request forks the ranks with the environment
 gives them (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``, one
 OpenMP thread), each writing to ``<logs>/rank<r>/stderr.log``. As torchrun, it stops the
 other ranks when one fails, and returns the output of the ranks ``LOG_RANK`` names, each
-line prefixed ``[rank<r>]:``.
+line prefixed ``[rank<r>]:``. ``TEST_TRAINER=module:Class`` in the request's environment
+runs that subclass of ``DMuonTrainer`` instead (a probe).
 
 The server runs no torch operation before forking: a process that started OpenMP or
 other thread pools cannot fork safely.
@@ -19,6 +20,7 @@ other thread pools cannot fork safely.
 from __future__ import annotations
 
 import faulthandler
+import importlib
 import json
 import os
 import signal
@@ -99,13 +101,18 @@ def _run_rank(rank: int, world: int, port: int, request: dict, log: Path) -> Non
 
         from torchtitan_dmuon.titan.train import DMuonTrainer, main
 
+        trainer = DMuonTrainer
+        if os.environ.get("TEST_TRAINER"):
+            module, name = os.environ["TEST_TRAINER"].split(":")
+            trainer = getattr(importlib.import_module(module), name)
+
         # TorchTitan's parse_args defaults to the sys.argv[1:] of when it was imported
         # (this server's): the rank's own arguments instead.
         ConfigManager.parse_args.__defaults__ = (sys.argv[1:],)
         # TorchTitan's rank 0 sleeps 2 s after the last step for the others to finish;
         # DMuonTrainer.train's closing barrier already waits for them (2 s of each run).
         torchtitan.train.time = _TimeWithoutSleep()
-        main(DMuonTrainer)
+        main(trainer)
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else int(e.code is not None)

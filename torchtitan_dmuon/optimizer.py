@@ -270,6 +270,18 @@ class Muon(torch.optim.Optimizer):
         inner.state = self.state
         return inner
 
+    def _adamw_step(self, found_inf: torch.Tensor | None) -> None:
+        """The inner AdamW's step; ``found_inf`` (fused kernel only) skips it on the device,
+        its step counts included, through the attribute ``GradScaler`` sets."""
+        if found_inf is None:
+            self._adamw.step()
+            return
+        self._adamw.found_inf = found_inf.float()
+        try:
+            self._adamw.step()
+        finally:
+            del self._adamw.found_inf
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
         self.matrices.zero_grad()
@@ -284,7 +296,7 @@ class Muon(torch.optim.Optimizer):
             self._adamw.state = self.state
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, found_inf: torch.Tensor | None = None):
         """Perform one optimization step.
 
         Distributed, each rank orthogonalizes only the matrices it owns (those whose
@@ -302,6 +314,14 @@ class Muon(torch.optim.Optimizer):
         collectives of one sharded Newton-Schulz leaves its peers waiting in the next one
         (until the process group's timeout).
 
+        Args:
+            closure: Reevaluates the model and returns the loss (optional).
+            found_inf: A 0-dim tensor on the device whose nonzero value skips the step,
+                decided on the device (no host sync): parameters, momentum, NorMuon's
+                second moments and AdamW's state stay bitwise as they were (QK-clip rescales
+                nothing). AdamW's fused kernel takes it as under ``GradScaler``; the
+                for-loop and foreach ones cannot, so with those it is read on the host.
+
         Raises:
             MuonStepError: The first phase raised on some rank of the dedication.
         """
@@ -309,6 +329,12 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if found_inf is not None and self._adamw is not None and not self._adamw.defaults["fused"]:
+            # One host sync: this AdamW cannot skip on the device. The step is then not
+            # taken at all, as before device-side skipping existed.
+            if found_inf.item():
+                return loss
+            found_inf = None
         group = self.param_groups[0]
         beta2 = group["normuon_beta2"] if group["variant"] == "normuon" else None
         self.matrices.begin_step()
@@ -341,12 +367,13 @@ class Muon(torch.optim.Optimizer):
                 lr=group["lr"],
                 weight_decay=group["weight_decay"],
                 adjust_lr_fn=group["adjust_lr_fn"],
+                skip=found_inf,
             )
         if qk_maxima is not None:
             with record_function("muon::qk_clip"):
-                self.matrices.clip_qk(self.qk_clip, qk_maxima)
+                self.matrices.clip_qk(self.qk_clip, qk_maxima, found_inf)
         if self._adamw is not None:
-            self._adamw.step()
+            self._adamw_step(found_inf)
         if self._qk_biases:
             # After the biases' AdamW update, as the weights' clip after Muon's.
             with record_function("muon::qk_clip_biases"):

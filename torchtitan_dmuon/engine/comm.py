@@ -1,8 +1,12 @@
 """Collectives of the ownership engine, with byte accounting.
 
-Every collective the engine issues goes through here, so that the per-step figures a user
-sees (bytes broadcast and reduced, collective counts) are counted where they happen.
-``torch.distributed`` functions are looked up at call time, so a test can wrap them.
+Every collective the package issues goes through here (tests/test_comm_routing.py scans
+the sources), so that the per-step figures a user sees (bytes broadcast and reduced,
+collective counts) are counted where they happen, and so that each tensor is checked to
+live on a device its group has a backend for before any rank starts the collective (an
+NCCL-only group given a CPU tensor fails with "No backend type associated with device
+type cpu"). ``torch.distributed`` functions are looked up at call time, so a test can
+wrap them.
 """
 
 from __future__ import annotations
@@ -23,10 +27,12 @@ __all__ = [
     "all_reduce",
     "all_reduce_sum",
     "broadcast",
+    "check_device",
     "engine_group",
     "flagged_grad_bucket",
     "gather_over_groups",
     "group_timeout",
+    "host_device",
     "is_fake",
     "mesh_device",
     "reduce_sum",
@@ -42,8 +48,10 @@ class CommStats:
         bytes: Payload bytes per collective kind (``"broadcast"`` and ``"reduce"`` inside
             the shard group, ``"replicate_broadcast"`` and ``"replicate_reduce"`` across
             HSDP replicas, ``"expert_broadcast"`` and ``"expert_reduce"`` inside the
-            experts' shard group under expert parallelism, ``"all_reduce"``), counted
-            once per collective on each rank.
+            experts' shard group under expert parallelism, ``"all_reduce"``; outside the
+            step's movement of matrices: ``"step_agreement"``, ``"qk_clip_all_reduce"``,
+            ``"qk_clip_metrics"``, ``"grad_norm_all_reduce"``, ``"others_broadcast"``,
+            ``"checkpoint_broadcast"``), counted once per collective on each rank.
         calls: Number of collectives per kind.
     """
 
@@ -68,10 +76,14 @@ _RETIRED: dict[tuple[tuple[int, ...], str], list[dist.ProcessGroup]] = {}
 
 
 def engine_group(
-    group: dist.ProcessGroup, description: str, members: slice | None = None
+    group: dist.ProcessGroup,
+    description: str,
+    members: slice | None = None,
+    backend: str | None = None,
 ) -> dist.ProcessGroup:
     """A process group over the ranks of ``group`` (those of group ranks ``members``),
-    used by the engine alone: a removed dedication's (:func:`retire_groups`) or a new one.
+    used by the engine alone: a removed dedication's (:func:`retire_groups`) or a new one
+    (on ``backend``; None: the default group's).
 
     FSDP2 issues its collectives on the mesh's groups. Sharing them would need the
     engine's and FSDP2's collectives to interleave identically on every rank, and they do
@@ -97,7 +109,11 @@ def engine_group(
                 dist.distributed_c10d._set_pg_timeout(timeout, reused)
             return reused
     return dist.new_group(
-        ranks, timeout=timeout, use_local_synchronization=True, group_desc=description
+        ranks,
+        timeout=timeout,
+        backend=backend,
+        use_local_synchronization=True,
+        group_desc=description,
     )
 
 
@@ -127,6 +143,7 @@ def broadcast(
 ) -> dist.Work:
     """Asynchronously broadcast ``tensor`` from group rank ``group_src``; counted as
     ``kind``."""
+    check_device("broadcast", tensor, group)
     stats.record(kind, tensor)
     if is_fake(group) and dist.get_rank(group) != group_src:
         _fake_receive(tensor)
@@ -157,6 +174,7 @@ def reduce_sum(
 
     SUM, not AVG: gloo has neither AVG nor PREMUL_SUM, so the owner divides once.
     """
+    check_device("reduce", tensor, group)
     stats.record(kind, tensor)
     return dist.reduce(
         tensor, group=group, group_dst=group_dst, op=dist.ReduceOp.SUM, async_op=True
@@ -178,6 +196,7 @@ def all_reduce(
     op: dist.ReduceOp = dist.ReduceOp.SUM,
 ) -> dist.Work:
     """Asynchronously all-reduce ``tensor`` in place with ``op``; counted as ``kind``."""
+    check_device("all_reduce", tensor, group)
     stats.record(kind, tensor)
     return dist.all_reduce(tensor, group=group, op=op, async_op=True)
 
@@ -187,8 +206,37 @@ def all_gather_into(
 ) -> dist.Work:
     """Asynchronously gather every rank's ``tensor`` into ``out`` (rank-major); counted as
     ``kind`` by its output."""
+    check_device("all_gather_into_tensor", tensor, group)
+    check_device("all_gather_into_tensor", out, group)
     stats.record(kind, out)
     return dist.all_gather_into_tensor(out, tensor, group=group, async_op=True)
+
+
+def check_device(collective: str, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """Refuse, before any rank starts it, a collective on a tensor whose device type
+    ``group`` has no backend for.
+
+    Raises:
+        ValueError: Naming the collective, the group and the devices.
+    """
+    group = group if group is not None else dist.group.WORLD
+    device_types = {d.type for d in group._device_types}
+    if tensor.device.type in device_types or is_fake(group):
+        return
+    raise ValueError(
+        f"{collective}: a tensor on {tensor.device} handed to process group "
+        f"{group.group_desc!r}, whose backends serve only {sorted(device_types)}; the "
+        "engine's collectives run on the device of its mesh"
+    )
+
+
+def host_device(group: dist.ProcessGroup | None) -> torch.device | None:
+    """The CPU, where ``group`` has a backend for it (gloo): a flag all-reduced there is
+    read from host memory, without waiting for the device; else None."""
+    group = group if group is not None else dist.group.WORLD
+    if any(d.type == "cpu" for d in group._device_types):
+        return torch.device("cpu")
+    return None
 
 
 class CollectiveCounter:
@@ -301,7 +349,10 @@ def mesh_device(mesh: DeviceMesh) -> torch.device:
 
 
 def all_gather_rows(row: list[int], group: dist.ProcessGroup, device) -> list[list[int]]:
+    """``row`` (integers, the same length on every rank) of every rank of ``group``, in
+    group rank order: one all-gather, outside any step (not counted)."""
     mine = torch.tensor(row, dtype=torch.int64, device=device)
+    check_device("all_gather", mine, group)
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, mine, group=group)
     return [[int(x) for x in t.tolist()] for t in everyone]

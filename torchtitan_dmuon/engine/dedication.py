@@ -151,7 +151,7 @@ class OtherParams:
             )
 
     @torch.no_grad()
-    def broadcast_from_rank0(self, model: nn.Module) -> None:
+    def broadcast_from_rank0(self, model: nn.Module, stats: comm.CommStats) -> None:
         """Start every replica from the values of the first data-parallel rank, as DDP
         does (with no FSDP at all, the buffers too): from shard rank 0 inside each shard
         group, then from replicate rank 0 across replicas."""
@@ -162,7 +162,7 @@ class OtherParams:
             tensors += [b.data for b in model.buffers()]
         for group in self._groups:
             for tensor in tensors:
-                dist.broadcast(tensor, group=group, group_src=0)
+                comm.broadcast(tensor, 0, group, stats, kind="others_broadcast").wait()
 
     @torch.no_grad()
     def sync_grads(self, settings: DedicationSettings, stats: comm.CommStats) -> None:
@@ -171,27 +171,31 @@ class OtherParams:
         The bucket has a place and a has-gradient flag for every parameter, so a rank that
         skipped a module sends the same bucket as the others: a gradient no rank computed
         stays ``None``, one that some ranks computed counts the others as zeros (as DDP
-        with ``find_unused_parameters``).
+        with ``find_unused_parameters``). A rank that computed a gradient knows that some
+        rank did: it reads the flags (one host sync) only where it computed none.
         """
         if not self.params:
             return
         dtype = functools.reduce(torch.promote_types, (p.dtype for p in self.params))
+        grads = [local_grad(p) for p in self.params]
         bucket = comm.flagged_grad_bucket(
-            [local_grad(p) for p in self.params],
-            [local_tensor(p).numel() for p in self.params],
-            dtype,
-            self.params[0].device,
+            grads, [local_tensor(p).numel() for p in self.params], dtype, self.params[0].device
         )
         numel = bucket.numel() - len(self.params)
         for group in self._groups:
-            comm.all_reduce_sum(bucket, group, stats).wait()
+            comm.all_reduce(bucket, group, stats).wait()
         bucket[:numel].div_(settings.divide_factor(self._ranks))
+        absent = [i for i, grad in enumerate(grads) if grad is None]
+        has_grad = [True] * len(self.params)
+        if absent:
+            for i, flag in zip(absent, bucket[numel:][absent].tolist(), strict=True):
+                has_grad[i] = bool(flag)
         offset = 0
-        for p, has_grad in zip(self.params, bucket[numel:].tolist(), strict=True):
+        for p, has in zip(self.params, has_grad, strict=True):
             numel = local_tensor(p).numel()
             mean = bucket[offset : offset + numel]
             offset += numel
-            if not has_grad:
+            if not has:
                 continue
             if isinstance(p, DTensor):  # tensor parallelism: laid out as the parameter
                 p.grad = like_param(mean.to(p.dtype, copy=True).view(local_tensor(p).shape), p)
@@ -281,6 +285,7 @@ class Dedication:
         # (stacks, owner groups' matrices), which are not allocated whole, until binding.
         self.start_pieces: dict[tuple, torch.Tensor] = {}
         self._on_remove: list = []
+        self._agreement_groups: list[dist.ProcessGroup] | None = None
         fsdp.mark_dedicated(model, [d.name for d in plan.params])
         pairs = enumerate(zip(plan.boundaries, self.boundary_units, strict=True))
         states = [
@@ -373,7 +378,7 @@ class Dedication:
         self._log_balance()
         names = {d.name for d in self.plan.params}
         self.others = OtherParams(self.model, names, self.exchange.data_parallel_groups())
-        self.others.broadcast_from_rank0(self.model)
+        self.others.broadcast_from_rank0(self.model, self.stats)
         if self.exchange.replicas is not None:
             self.exchange.replicas.broadcast(self.units, async_op=False)
         self.initialized = True
@@ -396,21 +401,38 @@ class Dedication:
                 unit.grad.div_(factor)
 
     # ---- step protocol -------------------------------------------------------------------------
-    def owned_grads(self) -> list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]]:
-        """``(param, master, grad)`` of each matrix whose reduced gradient this rank holds
-        (it is the primary owner): the optimizer updates ``master`` (the parameter itself,
-        or its full-precision copy under mixed precision) and keys its state by ``param``.
-        One host sync: which matrices any rank touched since ``zero_grad``."""
-        held = [u for u in self.units if u.primary and u.grads_held() is not None]
-        if not held:
-            return []
-        flags = iter(torch.cat([u.grads_held() for u in held]).tolist())  # one per entry
+    def owned_grads(self) -> list[tuple[nn.Parameter, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """``(param, master, grad, has_grad)`` of each matrix whose reduced gradient this
+        rank holds (it is the primary owner): the optimizer updates ``master`` (the
+        parameter itself, or its full-precision copy under mixed precision) and keys its
+        state by ``param``. ``has_grad``, a 0-dim bool device tensor, says whether any rank
+        touched the matrix since ``zero_grad`` (else ``grad`` is zeros): decided on the
+        device by the step, which leaves such a matrix as it is; no host sync."""
         return [
-            (d.param, u.master_view(d), u.grad_view(d))
-            for u in held
-            for d in u.params
-            if next(flags)
+            (d.param, u.master_view(d), u.grad_view(d), flag)
+            for u in self.units
+            if u.primary and u.grads_held() is not None
+            for d, flag in zip(u.params, u.grads_held(), strict=True)
         ]
+
+    def agreement_groups(self) -> list[dist.ProcessGroup]:
+        """The groups over which every rank learns whether ``Muon.step`` failed anywhere
+        (the data-parallel groups, then the tensor-parallel one; those of more than one
+        rank), each able to all-reduce host memory: a group without a CPU backend (NCCL
+        alone) is joined by a gloo one over the same ranks, so the verdict, a host fact,
+        is read without waiting for the device. Created at the first call, a collective of
+        every rank of the dedication (``Muon``'s constructor)."""
+        if self._agreement_groups is None:
+            exchange = self.exchange
+            groups = exchange.data_parallel_groups() + [exchange.tp_group]
+            self._agreement_groups = [
+                group
+                if comm.host_device(group) is not None or comm.is_fake(group)
+                else comm.engine_group(group, f"{group.group_desc}_host", backend="gloo")
+                for group in groups
+                if group is not None and dist.get_world_size(group) > 1
+            ]
+        return self._agreement_groups
 
     def primary_params(self) -> list[tuple[DedicatedParam, torch.Tensor]]:
         """``(entry, master)`` of every matrix and piece this rank is the primary owner
@@ -606,4 +628,6 @@ class Dedication:
         self.driver.remove()
         _DEDICATIONS.pop(self.model, None)
         fsdp.unmark_dedicated(self.model)
-        comm.retire_groups(self.exchange.process_groups())
+        groups = self.exchange.process_groups()
+        groups += [g for g in self._agreement_groups or [] if g not in groups]
+        comm.retire_groups(groups)

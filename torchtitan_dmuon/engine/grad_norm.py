@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from torchtitan_dmuon.engine import comm
 from torchtitan_dmuon.engine.dedication import get_dedication
 
 __all__ = ["clip_grad_norm_"]
@@ -58,7 +59,8 @@ def clip_grad_norm_(
     # expert-parallel experts (ep may borrow TP ranks: each holds other experts).
     owned, owned_per_tp_rank = [], []
     for d in dedications:
-        for param, _, grad in d.owned_grads():
+        # A matrix no rank touched has a zero gradient: it adds nothing, and no flag is read.
+        for param, _, grad, _ in d.owned_grads():
             (owned_per_tp_rank if d.layout_of(param).differs_per_tp_rank else owned).append(grad)
     sharded, replicated = [], []
     for p in (p for part in parts for p in part.parameters()):
@@ -82,15 +84,15 @@ def clip_grad_norm_(
         owned_sq = torch.stack(
             [_sum_of_squares(owned, device), _sum_of_squares(owned_per_tp_rank, device)]
         )
-        for group in dedications[0].exchange.data_parallel_groups():
-            dist.all_reduce(owned_sq, op=dist.ReduceOp.SUM, group=group)
-        if dedications[0].exchange.tp_group is not None:  # the per-TP-rank part, in place
-            dist.all_reduce(
-                owned_sq[1:], op=dist.ReduceOp.SUM, group=dedications[0].exchange.tp_group
-            )
+        exchange, stats = dedications[0].exchange, dedications[0].stats
+        for group in exchange.data_parallel_groups():
+            comm.all_reduce(owned_sq, group, stats, "grad_norm_all_reduce").wait()
+        if exchange.tp_group is not None:  # the per-TP-rank part, in place
+            comm.all_reduce(owned_sq[1:], exchange.tp_group, stats, "grad_norm_all_reduce").wait()
         total_sq = total_sq + owned_sq.sum()
     if pp_group is not None:
-        dist.all_reduce(total_sq, op=dist.ReduceOp.SUM, group=pp_group)
+        stats = dedications[0].stats if dedications else comm.CommStats()
+        comm.all_reduce(total_sq, pp_group, stats, "grad_norm_all_reduce").wait()
     total = total_sq.sqrt()
     coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)
     grads = owned + owned_per_tp_rank + [g.to_local() for g in sharded] + replicated

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
+from torchtitan_dmuon.engine import comm
 from torchtitan_dmuon.engine.comm import gather_over_groups, mesh_device
 from torchtitan_dmuon.engine.dedication import Dedication
 from torchtitan_dmuon.engine.verification import verify_plan
@@ -52,15 +53,21 @@ def gather_over(dedication: Dedication, obj) -> list:
 
 def failed_ranks(dedication: Dedication, failed: bool, device: torch.device) -> list[int]:
     """The global ranks of ``dedication`` on which something ``failed``, known to all of
-    them: one MAX all-reduce of a flag per rank over its reduce, replicate and
-    tensor-parallel groups (idle between backward and the next forward). A collective:
-    every rank of the dedication calls it."""
-    flags = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=device)
+    them: one MAX all-reduce of a flag per rank over each of its agreement groups
+    (:meth:`~Dedication.agreement_groups`: its reduce, replicate and tensor-parallel
+    ranks). The flags are in host memory, read without waiting for the device (``device``
+    only under a dry run's fake backend). A collective: every rank of the dedication
+    calls it."""
+    groups = dedication.agreement_groups()
+    on_host = all(comm.host_device(group) is not None for group in groups)
+    flags = torch.zeros(
+        dist.get_world_size(), dtype=torch.int32, device="cpu" if on_host else device
+    )
     flags[dist.get_rank()] = int(failed)
-    groups = dedication.exchange.data_parallel_groups() + [dedication.exchange.tp_group]
     for group in groups:
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        comm.all_reduce(flags, group, dedication.stats, "step_agreement", dist.ReduceOp.MAX).wait()
+    if on_host:  # numpy() reads host memory only: it refuses a device tensor
+        return flags.numpy().nonzero()[0].tolist()
     return flags.nonzero().flatten().tolist()
 
 
@@ -143,7 +150,7 @@ class OwnedMatrices:
     def _blocks(self, block_dim: int, targets: list[tuple], ns: NSChoice) -> MatrixGroup:
         """An owner group's blocks split along ``block_dim``, orthogonalized by the
         members together; every member has the same matrices in the same order."""
-        keys, masters, grads = (list(column) for column in zip(*targets, strict=True))
+        keys, masters, grads, stepped = (list(column) for column in zip(*targets, strict=True))
         owner_group = self.dedication.exchange.owner_group
         return MatrixGroup(
             keys,
@@ -153,14 +160,15 @@ class OwnedMatrices:
             shapes=[key.shape for key in keys],
             split_dim=block_dim - 2,  # NorMuon's row statistics: which dim the blocks split
             all_reduce=owner_group.all_reduce,
+            stepped=stepped,
         )
 
     def _group(
         self, split: int | None, targets: list[tuple], ns: NSChoice, bound: NSFunction
     ) -> MatrixGroup:
-        keys, masters, grads = (list(column) for column in zip(*targets, strict=True))
+        keys, masters, grads, stepped = (list(column) for column in zip(*targets, strict=True))
         if split is None:
-            return MatrixGroup(keys, masters, grads, bound)
+            return MatrixGroup(keys, masters, grads, bound, stepped=stepped)
         tensor_parallel = self.dedication.exchange.tensor_parallel
         sharded_ns = tensor_parallel.sharded_ns(
             split, bound, ns.schedule, eps=ns.eps, dtype=ns.dtype, backend=ns.backend
@@ -173,6 +181,7 @@ class OwnedMatrices:
             shapes=[key.shape for key in keys],
             split_dim=split,  # NorMuon's row statistics: which dim the shards split
             all_reduce=tensor_parallel.all_reduce,
+            stepped=stepped,
         )
 
     def agreed(self, compute: Callable[[], T]) -> T:
@@ -194,30 +203,34 @@ class OwnedMatrices:
         """The MAX over the first data-parallel group starts now; under HSDP the
         replicate group's follows it when waited."""
         groups = self.dedication.exchange.data_parallel_groups()
-        stats = self.dedication.stats
-        stats.record("qk_clip_all_reduce", maxima)
-        work = dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=groups[0], async_op=True)
+        stats, kind, op = self.dedication.stats, "qk_clip_all_reduce", dist.ReduceOp.MAX
+        work = comm.all_reduce(maxima, groups[0], stats, kind, op)
 
         def wait() -> torch.Tensor:
             work.wait()
             for group in groups[1:]:
-                stats.record("qk_clip_all_reduce", maxima)
-                dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
+                comm.all_reduce(maxima, group, stats, kind, op).wait()
             return maxima
 
         return wait
 
-    def clip_qk(self, qk_clip: QKClip, maxima: torch.Tensor) -> None:
+    def clip_qk(
+        self, qk_clip: QKClip, maxima: torch.Tensor, skip: torch.Tensor | None = None
+    ) -> None:
         """Each rank rescales the masters it owns; under tensor parallelism the step's
         metrics then cover every TP rank's heads."""
         names = set(qk_clip.weight_names)
         owned = self.dedication.primary_params()
-        qk_clip.clip(maxima, {entry.name: m for entry, m in owned if entry.name in names})
+        owned = {entry.name: m for entry, m in owned if entry.name in names}
+        qk_clip.clip(maxima, owned, skip)
         tp_group = self.dedication.exchange.tp_group
         if tp_group is not None:
+            stats = self.dedication.stats
             qk_clip.clipped_heads = qk_clip.clipped_heads.float()
-            dist.all_reduce(qk_clip.clipped_heads, op=dist.ReduceOp.SUM, group=tp_group)
-            dist.all_reduce(qk_clip.max_logit, op=dist.ReduceOp.MAX, group=tp_group)
+            comm.all_reduce(qk_clip.clipped_heads, tp_group, stats, "qk_clip_metrics").wait()
+            comm.all_reduce(
+                qk_clip.max_logit, tp_group, stats, "qk_clip_metrics", op=dist.ReduceOp.MAX
+            ).wait()
 
     def end_step(self) -> None:
         self.dedication.after_step()

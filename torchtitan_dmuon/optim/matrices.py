@@ -95,8 +95,11 @@ class MatrixSet(Protocol):
         waits and returns it."""
         ...
 
-    def clip_qk(self, qk_clip: QKClip, maxima: torch.Tensor) -> None:
-        """QK-clip's rescaling of the query and key rows this rank writes."""
+    def clip_qk(
+        self, qk_clip: QKClip, maxima: torch.Tensor, skip: torch.Tensor | None = None
+    ) -> None:
+        """QK-clip's rescaling of the query and key rows this rank writes (none where the
+        0-dim ``skip`` is nonzero, decided on the device)."""
         ...
 
     def end_step(self) -> None:
@@ -165,12 +168,14 @@ class LocalMatrices:
     def reduce_max(self, maxima: torch.Tensor) -> Callable[[], torch.Tensor]:
         return lambda: maxima
 
-    def clip_qk(self, qk_clip: QKClip, maxima: torch.Tensor) -> None:
+    def clip_qk(
+        self, qk_clip: QKClip, maxima: torch.Tensor, skip: torch.Tensor | None = None
+    ) -> None:
         names = set(qk_clip.weight_names)
         masters = {
             n: local_view(p) for n, p in zip(self.names, self.params, strict=True) if n in names
         }
-        qk_clip.clip(maxima, masters)
+        qk_clip.clip(maxima, masters, skip)
 
     def end_step(self) -> None:
         pass

@@ -11,7 +11,11 @@ For each matrix parameter ``p`` with gradient ``g`` and momentum buffer ``buf``:
 A 3-D parameter is a stack of independent matrices (MoE experts stored as one
 ``(experts, rows, cols)`` tensor): each matrix of the stack is orthogonalized on its own, as
 if it were a separate parameter. Matrices of the same shape, from any parameters, run as
-one batch. A step runs in two phases: :func:`muon_update` computes the orthogonalized
+one batch. A matrix can be left out of a step on the device, without the host reading
+anything: its ``stepped`` flag (a 0-dim bool tensor) selects, element by element, the old
+value, momentum and second moment, bitwise what ``torch.optim.Muon`` keeps for a
+parameter whose gradient is None (a whole step is skipped so, on a non-finite gradient
+norm). A step runs in two phases: :func:`muon_update` computes the orthogonalized
 updates without changing anything, :func:`apply_muon_update` advances the momentum and
 writes them, so a distributed step can agree that every rank's first phase succeeded
 before any rank changes its state. :func:`compute_group` and :func:`commit_group` run those two
@@ -178,6 +182,7 @@ def apply_muon_update(
     weight_decay: float,
     adjust_lr_fn: str | None,
     shapes: Sequence[Sequence[int]] | None = None,
+    stepped: Sequence[torch.Tensor] | None = None,
 ) -> None:
     """The second phase, in place: ``momentum_buffers`` advanced from ``grads`` as
     :func:`muon_update` formed them, decoupled weight decay, then each orthogonalized
@@ -193,10 +198,16 @@ def apply_muon_update(
         adjust_lr_fn: See :func:`adjusted_lr` (per matrix: the last two dims).
         shapes: The whole matrices' shapes, for the learning-rate adjustment, when
             ``params`` are tensor-parallel shards (default: their own shapes).
+        stepped: Per matrix, a 0-dim bool tensor: False leaves its value and momentum
+            unchanged (bitwise); None: every matrix steps.
     """
     if not params:
         return
     with record_function("muon::update"):
+        if stepped is not None:
+            args = (update, stepped, lr, weight_decay, adjust_lr_fn, shapes)
+            _apply_masked(params, grads, momentum_buffers, *args)
+            return
         torch._foreach_lerp_(list(momentum_buffers), list(grads), 1 - update.momentum)
         for indices in _buckets(params).values():
             bucket = [params[i] for i in indices]
@@ -206,6 +217,37 @@ def apply_muon_update(
             shape = shapes[indices[0]] if shapes is not None else bucket[0].shape
             alpha = -adjusted_lr(lr, adjust_lr_fn, shape)
             torch._foreach_add_(bucket, [update.orthogonal[i] for i in indices], alpha=alpha)
+
+
+def _apply_masked(
+    params, grads, momentum_buffers, update, stepped, lr, weight_decay, adjust_lr_fn, shapes
+) -> None:
+    """:func:`apply_muon_update` where only the matrices whose ``stepped`` flag is set
+    change: each batch's new values are formed out of place by the same operations, then
+    selected per matrix on the device (transient memory: one batch of
+    :func:`_batches`)."""
+    for indices in _batches(params):
+        bufs = [momentum_buffers[i] for i in indices]
+        new_bufs = torch._foreach_lerp(bufs, [grads[i] for i in indices], 1 - update.momentum)
+        _select(bufs, new_bufs, [stepped[i] for i in indices])
+        del new_bufs  # one batch's new values alive at a time
+        bucket = [params[i] for i in indices]
+        shape = shapes[indices[0]] if shapes is not None else bucket[0].shape
+        alpha = -adjusted_lr(lr, adjust_lr_fn, shape)
+        if weight_decay != 0:
+            new = torch._foreach_mul(bucket, 1 - lr * weight_decay)
+            torch._foreach_add_(new, [update.orthogonal[i] for i in indices], alpha=alpha)
+        else:
+            new = torch._foreach_add(bucket, [update.orthogonal[i] for i in indices], alpha=alpha)
+        _select(bucket, new, [stepped[i] for i in indices])
+
+
+def _select(
+    targets: Sequence[torch.Tensor], new: Sequence[torch.Tensor], stepped: Sequence[torch.Tensor]
+) -> None:
+    """``target = new if stepped else target``, in place, decided on the device."""
+    for target, value, flag in zip(targets, new, stepped, strict=True):
+        torch.where(flag, value, target, out=target)
 
 
 @torch.no_grad()
@@ -284,6 +326,9 @@ class MatrixGroup:
             for the learning-rate adjustment and NorMuon's row statistics; None: their own.
         split_dim: The dim the shards split (tensor parallelism), or None.
         all_reduce: NorMuon's sum of row statistics over the tensor-parallel ranks, or None.
+        stepped: Per matrix, a 0-dim bool device tensor: whether it has a gradient (one
+            without keeps its value and state, as ``torch.optim.Muon`` skips a parameter
+            whose gradient is None); None: all have.
     """
 
     keys: Sequence[torch.Tensor]
@@ -293,6 +338,7 @@ class MatrixGroup:
     shapes: Sequence[Sequence[int]] | None = None
     split_dim: int | None = None
     all_reduce: AllReduce | None = None
+    stepped: Sequence[torch.Tensor] | None = None
 
 
 @dataclass
@@ -350,18 +396,30 @@ def commit_group(
     lr: float,
     weight_decay: float,
     adjust_lr_fn: str | None,
+    skip: torch.Tensor | None = None,
 ) -> int:
     """The second phase: the momentum advanced and the second moments into ``state``,
-    then the update into the group's ``params``.
+    then the update into the group's ``params``; only the matrices the group steps
+    (:attr:`MatrixGroup.stepped`), none where ``skip`` (a 0-dim device tensor, nonzero:
+    skip the step, as ``found_inf``) is set, decided on the device.
 
     Returns:
         The number of matrices orthogonalized.
     """
     group, update = pending.group, pending.update
+    stepped = group.stepped
+    if skip is not None:
+        go = skip == 0
+        stepped = [go & s for s in stepped] if stepped is not None else [go] * len(group.keys)
     for key, buf in zip(group.keys, pending.momentum_buffers, strict=True):
         state[key]["momentum_buffer"] = buf
     if update.second_moments is not None:
-        for key, moment in zip(group.keys, update.second_moments, strict=True):
+        for i, (key, moment) in enumerate(zip(group.keys, update.second_moments, strict=True)):
+            if stepped is not None:  # a matrix that does not step keeps the old (or zero)
+                if SECOND_MOMENT not in state[key]:
+                    state[key][SECOND_MOMENT] = torch.zeros_like(moment)
+                _select([state[key][SECOND_MOMENT]], [moment], [stepped[i]])
+                continue
             old = state[key].setdefault(SECOND_MOMENT, moment)
             if old is not moment:  # in place: DCP loads into the state's tensors
                 old.copy_(moment)
@@ -374,5 +432,6 @@ def commit_group(
         weight_decay=weight_decay,
         adjust_lr_fn=adjust_lr_fn,
         shapes=group.shapes,
+        stepped=stepped,
     )
     return update.matrices

@@ -421,7 +421,12 @@ class QKClip:
         for recorded in self._recorded.values():
             recorded.fill_(-math.inf)
 
-    def clip(self, reduced: torch.Tensor, masters: dict[str, torch.Tensor]) -> None:
+    def clip(
+        self,
+        reduced: torch.Tensor,
+        masters: dict[str, torch.Tensor],
+        skip: torch.Tensor | None = None,
+    ) -> None:
         """Rescale the heads of ``masters`` (the weights this rank writes, by name) whose
         reduced maximum exceeds the threshold; record the step's metrics and reset.
 
@@ -429,8 +434,13 @@ class QKClip:
             reduced: :meth:`maxima` MAX-reduced over the data-parallel ranks.
             masters: The weights this rank owns among :attr:`weight_names` (whole, or its
                 tensor-parallel rows), in the master dtype.
+            skip: A 0-dim tensor, nonzero on a skipped step: every factor is then 1 (the
+                weights and, at :meth:`clip_biases`, the biases keep their values
+                bitwise), decided on the device.
         """
         factors = clip_factors(reduced, self.threshold)
+        if skip is not None:
+            factors = torch.where(skip != 0, torch.ones_like(factors), factors)
         self._factors = factors if self.bias_rows else None
         for attention, layer in zip(
             self.attentions, factors.split([a.query_heads for a in self.attentions]), strict=True

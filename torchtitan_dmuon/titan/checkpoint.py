@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.components.checkpoint import OPTIMIZER, ModelWrapper
 from torchtitan.components.lr_scheduler import LRSchedulersContainer
 
-from torchtitan_dmuon.engine import Dedication, get_dedication
+from torchtitan_dmuon.engine import Dedication, comm, get_dedication
 from torchtitan_dmuon.engine.plan import DedicatedParam
 from torchtitan_dmuon.optim.muon import SECOND_MOMENT
 from torchtitan_dmuon.optim.normuon import second_moment_shape
@@ -120,7 +120,9 @@ def load_state_into(
             if part == layout.column_parts[0]
             else target.new_empty((*target.shape[:-2], stop - start, 1))
         )
-        dist.broadcast(block, src=owner, group=dedication.exchange.column_holders(layout))
+        group = dedication.exchange.column_holders(layout)
+        source = dist.get_group_rank(group, owner)
+        comm.broadcast(block, source, group, dedication.stats, "checkpoint_broadcast").wait()
         target.narrow(-2, start, stop - start).copy_(block)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import numbers
 import time
 
@@ -37,6 +38,10 @@ from torchtitan_dmuon.titan.qk_clip import build_qk_clip
 logger = logging.getLogger(__name__)
 
 __all__ = ["DMuonOptimizersContainer", "build_dmuon_optimizers"]
+
+_MAX_UNLOGGED = 1000
+"""Steps whose norms wait for a logging step at most (a loop that never logs reads them
+then)."""
 
 
 def _build_muon(model: nn.Module, optimizer_config, parallel_dims) -> Muon:
@@ -100,7 +105,10 @@ class DMuonOptimizersContainer(OptimizersContainer):
         self.optimizers = [_build_muon(m, optimizer_config, parallel_dims) for m in model_parts]
         self._step_seconds = 0.0
         self._pending_timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        self._skip_next_step = False
+        # Under "skip": the next step's found_inf, and the (step, norm) pairs whose warning
+        # is logged at the next logging step (log_skipped_steps).
+        self._found_inf: torch.Tensor | None = None
+        self._unlogged_norms: list[tuple[int, torch.Tensor]] = []
         self._validate_length(len(model_parts))
         all_params = [p for opt in self.optimizers for g in opt.param_groups for p in g["params"]]
         self._post_init(all_params, {"lr": optimizer_config.lr})
@@ -110,6 +118,12 @@ class DMuonOptimizersContainer(OptimizersContainer):
     ) -> torch.Tensor:
         """Clip the gradients to a global 2-norm of ``max_norm``; on a non-finite norm, do
         what ``[dmuon] nonfinite_grad_norm`` says. A collective: call it on every rank.
+
+        ``"skip"`` (the default) decides on the device: the next :meth:`step` gets the
+        norm's non-finiteness as ``found_inf`` and leaves everything bitwise as it was; the
+        warning naming the step is logged by :meth:`log_skipped_steps` (the trainer calls
+        it at each logging step). No host sync. ``"stop"`` reads the norm (one host sync a
+        step) to raise at the step itself.
 
         Args:
             max_norm: The largest global gradient norm (``[training] max_norm``).
@@ -124,21 +138,46 @@ class DMuonOptimizersContainer(OptimizersContainer):
         """
         norm = clip_grad_norm_(self.model_parts, max_norm, pp_group=pp_group)
         policy = dmuon_settings(self.model_parts[0]).nonfinite_grad_norm
-        if policy == "continue" or torch.isfinite(norm).item():
+        if policy == "continue":
             return norm
         if policy == "stop":
-            raise RuntimeError(
-                f"step {step}: the global gradient norm is {norm.item()}; stopping, as "
-                "[dmuon] nonfinite_grad_norm = 'stop' asks ('skip' skips such steps)"
-            )
-        logger.warning(
-            "step %d: the global gradient norm is %s; skipping the optimizer step "
-            "([dmuon] nonfinite_grad_norm = 'skip')",
-            step,
-            norm.item(),
-        )
-        self._skip_next_step = True
+            if not torch.isfinite(norm).item():
+                raise RuntimeError(
+                    f"step {step}: the global gradient norm is {norm.item()}; stopping, as "
+                    "[dmuon] nonfinite_grad_norm = 'stop' asks ('skip' skips such steps)"
+                )
+            return norm
+        self._found_inf = ~torch.isfinite(norm)
+        self._unlogged_norms.append((step, norm))
+        if len(self._unlogged_norms) >= _MAX_UNLOGGED:  # a loop that never logs: bounded
+            self.log_skipped_steps()
         return norm
+
+    def log_skipped_steps(self) -> list[int]:
+        """Log the warning of each step that ``"skip"`` skipped since the last call, reading
+        their norms at once (one host sync; at a logging step, where TorchTitan reads the
+        loss and the norm anyway).
+
+        Returns:
+            Those steps.
+        """
+        if not self._unlogged_norms:
+            return []
+        steps = [step for step, _ in self._unlogged_norms]
+        norms = torch.stack([norm for _, norm in self._unlogged_norms]).tolist()
+        self._unlogged_norms.clear()
+        skipped = []
+        for step, norm in zip(steps, norms, strict=True):
+            if math.isfinite(norm):
+                continue
+            logger.warning(
+                "step %d: the global gradient norm is %s; skipping the optimizer step "
+                "([dmuon] nonfinite_grad_norm = 'skip')",
+                step,
+                norm,
+            )
+            skipped.append(step)
+        return skipped
 
     @torch.no_grad()
     def divide_grads(self, divisor: torch.Tensor | float) -> None:
@@ -152,11 +191,10 @@ class DMuonOptimizersContainer(OptimizersContainer):
             optimizer.matrices.divide_grads(divisor)
 
     def step(self, *args, **kwargs) -> None:
-        if self._skip_next_step:
-            # clip_grad_norm_ found a non-finite norm: leave the parameters and the state.
-            self._skip_next_step = False
-            self.zero_grad()
-            return
+        # Under "skip", a non-finite norm skips the step on the device (no host sync).
+        found_inf, self._found_inf = self._found_inf, None
+        if found_inf is not None:
+            kwargs = dict(kwargs, found_inf=found_inf)
         if torch.cuda.is_available():
             # Timed by events, read when the figure is logged: no device sync per step.
             start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))

@@ -34,8 +34,7 @@ import torchtitan.distributed.utils as dist_utils
 from torchtitan.components.checkpoint import LR_SCHEDULER, MODEL, OPTIMIZER
 from torchtitan.train import Trainer, main
 
-from torchtitan_dmuon.engine import get_dedication
-from torchtitan_dmuon.engine.comm import is_fake
+from torchtitan_dmuon.engine import comm, get_dedication
 from torchtitan_dmuon.engine.report import plan_report
 from torchtitan_dmuon.titan import register
 from torchtitan_dmuon.titan.checkpoint import (
@@ -120,11 +119,14 @@ class DMuonTrainer(Trainer):
         self._last_step = 0
         # QK-clip's logged figures cover every stage: a MAX and a SUM over the pipeline.
         self._qk_pp_group = None
+        self._metrics_stats = comm.CommStats()  # the logged figures' own collectives
         if job_config.dmuon.qk_clip_threshold > 0 and self.parallel_dims.pp_enabled:
             self._qk_pp_group = self.parallel_dims.get_mesh("pp").get_group()
         log = self.metrics_processor.log
 
         def log_with_dmuon(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+            # The warnings of the steps skipped since the last logging step.
+            self.optimizers.log_skipped_steps()
             extra = dict(extra_metrics or {})
             extra.update(self._dmuon_metrics(step))
             qk = ""
@@ -155,6 +157,8 @@ class DMuonTrainer(Trainer):
         # The last step's async replicate broadcasts must land before the groups go.
         for dedication in self.dedications:
             dedication.wait_replicas()
+        if self.dedications:  # the steps skipped after the last logging step
+            self.optimizers.log_skipped_steps()
         gc.collect()
         if dist.is_initialized():
             dist.barrier()
@@ -163,8 +167,10 @@ class DMuonTrainer(Trainer):
         # After the first step TorchTitan shortens its groups' timeout to
         # comm.train_timeout_seconds (hang detection); the engine's own groups follow.
         _torchtitan_set_pg_timeouts(timeout, parallel_dims)
-        groups = [g for d in self.dedications for g in d.exchange.process_groups()]
-        if groups and is_fake(groups[0]):
+        groups = [
+            g for d in self.dedications for g in d.exchange.process_groups() + d.agreement_groups()
+        ]
+        if groups and comm.is_fake(groups[0]):
             return  # a dry run: the fake backend has no timeout to set
         for group in groups:
             dist.distributed_c10d._set_pg_timeout(timeout, group)
@@ -225,8 +231,9 @@ class DMuonTrainer(Trainer):
                 [sum(int(c.clipped_heads) for c in clips)], dtype=torch.float64, device=self.device
             )
             if self._qk_pp_group is not None:
-                dist.all_reduce(maximum, op=dist.ReduceOp.MAX, group=self._qk_pp_group)
-                dist.all_reduce(clipped, op=dist.ReduceOp.SUM, group=self._qk_pp_group)
+                group, stats = self._qk_pp_group, self._metrics_stats
+                comm.all_reduce(maximum, group, stats, "qk_metrics", op=dist.ReduceOp.MAX).wait()
+                comm.all_reduce(clipped, group, stats, "qk_metrics").wait()
             metrics["dmuon/qk_max_logit"] = maximum.item()
             metrics["dmuon/qk_clipped_heads"] = int(clipped.item())
         self._last_bytes, self._last_step_seconds, self._last_step = totals, step_seconds, step
