@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 
+import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.fsdp._fully_shard import _fsdp_init
@@ -33,6 +34,7 @@ __all__ = [
     "is_installed",
     "mark_dedicated",
     "mixed_precision_of",
+    "param_groups",
     "reset_fsdp_state",
     "top_fsdp_modules",
     "unmark_dedicated",
@@ -50,10 +52,33 @@ def top_fsdp_modules(model: nn.Module) -> list[nn.Module]:
     ]
 
 
+def param_groups(module: FSDPModule) -> list:
+    """The ``FSDPParamGroup``s of one ``fully_shard`` module: a list since torch 2.12,
+    one group or None before (torch 2.11)."""
+    state = fully_shard.state(module)
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [group] if group is not None else []
+
+
 def reset_fsdp_state(model: nn.Module) -> None:
     """``FSDPModule.reset_iter_state`` on each top-most FSDP module of ``model`` (FSDP2
-    accepts it on roots only), and the unsharded gradients it keeps dropped."""
+    accepts it on roots only), and the unsharded gradients it keeps dropped.
+
+    Raises:
+        RuntimeError: This torch's FSDP2 has no ``reset_iter_state`` (before 2.13): its
+            per-pass state cannot be reset after a pass that raised half-way.
+    """
     for module in top_fsdp_modules(model):
+        if not hasattr(module, "reset_iter_state"):
+            raise RuntimeError(
+                "dmuon: a forward or backward raised half-way, and FSDP2 in torch "
+                f"{torch.__version__} has no FSDPModule.reset_iter_state (torch >= 2.13) to "
+                "reset its per-pass state: end the job and resume from the last checkpoint, "
+                "or use torch >= 2.13 to go on after a failed pass"
+            )
         module.reset_iter_state()
         _drop_unsharded_grads(module)
 
@@ -65,7 +90,7 @@ def _drop_unsharded_grads(root: FSDPModule) -> None:
     for module in root.modules():
         if not isinstance(module, FSDPModule):
             continue
-        for group in fully_shard.state(module)._fsdp_param_groups:
+        for group in param_groups(module):
             for fsdp_param in group.fsdp_params:
                 unsharded = getattr(fsdp_param, "_unsharded_param", None)
                 if unsharded is not None:

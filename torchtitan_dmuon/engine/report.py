@@ -311,7 +311,7 @@ def _fsdp_traffic(
         if not isinstance(module, FSDPModule):
             continue
         state = fully_shard.state(module)
-        for group in state._fsdp_param_groups:
+        for group in fsdp.param_groups(module):
             info = group.mesh_info
             padded = sum(p.padded_sharded_param_size.numel() for p in group.fsdp_params)
             gather_dtype = group.mp_policy.param_dtype or group.fsdp_params[0].sharded_param.dtype

@@ -1,0 +1,70 @@
+"""What the engine reads of FSDP2 differs between the torch versions it supports (2.11 to
+2.14): each difference is read through one helper, tested here with 2.11's shapes."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+from tests.dist import run_distributed
+from tests.models import make_model
+from torchtitan_dmuon.engine import fsdp
+
+
+def _sharded_model(world):
+    mesh = init_device_mesh("cpu", (world,))
+    model = make_model(seed=0)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def param_groups_worker(rank, world):
+    model = _sharded_model(world)
+    block = model.layers[0]
+    return [len(g.fsdp_params) for g in fsdp.param_groups(block)], len(list(block.parameters()))
+
+
+def test_param_groups_reads_the_list_and_2_11s_single_group(monkeypatch):
+    for sizes, params in run_distributed(param_groups_worker, 1):
+        assert sizes == [params]
+    # torch 2.11's state: one group or None under another name, no list.
+    group = object()
+    states = {
+        "one": SimpleNamespace(_fsdp_param_group=group),
+        "none": SimpleNamespace(_fsdp_param_group=None),
+        "list": SimpleNamespace(_fsdp_param_groups=[group, group]),
+    }
+    monkeypatch.setattr(fully_shard, "state", states.__getitem__)
+    assert fsdp.param_groups("one") == [group]
+    assert fsdp.param_groups("none") == []
+    assert fsdp.param_groups("list") == [group, group]
+
+
+def no_reset_worker(rank, world):
+    model = _sharded_model(world)
+    reset = FSDPModule.reset_iter_state
+    del FSDPModule.reset_iter_state  # as in torch 2.11
+    try:
+        fsdp.reset_fsdp_state(model)
+    except RuntimeError as error:
+        return str(error)
+    finally:
+        FSDPModule.reset_iter_state = reset
+    return None
+
+
+def test_recovery_without_fsdp_reset_iter_state_says_why():
+    for message in run_distributed(no_reset_worker, 1):
+        assert message is not None
+        assert "FSDPModule.reset_iter_state" in message and torch.__version__ in message
+        assert "resume from the last checkpoint" in message
+
+
+@pytest.fixture(autouse=True)
+def _restores_fsdp():
+    yield
+    assert hasattr(FSDPModule, "reset_iter_state")
