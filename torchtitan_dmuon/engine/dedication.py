@@ -4,19 +4,13 @@ It composes the layers: the :class:`~torchtitan_dmuon.engine.plan.Plan` (who own
 one :class:`~torchtitan_dmuon.engine.unit.Unit` per (boundary, owner slot) (storage and
 gradients), the :class:`~torchtitan_dmuon.engine.hooks.HookDriver` (the per-pass state),
 the :class:`~torchtitan_dmuon.engine.exchange.Exchange` (the engine's own process groups and
-the collectives over them) and :class:`OtherParams`. The optimizer talks to it through
+the collectives over them) and the :class:`~torchtitan_dmuon.engine.others.OtherParams`
+(what no ``fully_shard`` covers, kept in sync DDP-style). The optimizer talks to it through
 the step protocol: :meth:`owned_grads`, :meth:`before_step`, :meth:`after_step`,
 :meth:`zero_grad`; it also reports the balance of the plan and the Newton-Schulz workload
 of this rank. Its :class:`DedicationSettings` are given once at ``dedicate_params`` and
 frozen.
 
-:class:`OtherParams` keeps in sync the parameters that no FSDP module covers. With no
-``fully_shard`` at all (DDP-style) or a partial one, some trainable parameters that are
-not dedicated are plain tensors that nothing else keeps in sync. The engine starts them
-from the first data-parallel rank's values (as DDP does) and all-reduces their gradients
-at the end of each reduced backward, in one bucket, over the data-parallel groups (the
-shard group, then the replicate group under HSDP): never over ranks of other pipeline
-stages.
 """
 
 from __future__ import annotations
@@ -24,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
 import weakref
 from dataclasses import dataclass
 
@@ -32,20 +25,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
 from torchtitan_dmuon.engine import comm, fsdp
 from torchtitan_dmuon.engine.boundary import BoundaryState
 from torchtitan_dmuon.engine.exchange import Exchange, PendingReduce
 from torchtitan_dmuon.engine.hooks import HookDriver
+from torchtitan_dmuon.engine.others import OtherParams
 from torchtitan_dmuon.engine.param_layout import (
     ParamLayout,
     PieceShard,
-    like_param,
-    local_grad,
-    local_tensor,
 )
 from torchtitan_dmuon.engine.plan import DedicatedParam, Plan, UnitPlan, max_over_mean
 from torchtitan_dmuon.engine.unit import Unit, bind_boundary
@@ -54,7 +43,6 @@ from torchtitan_dmuon.optim.newton_schulz import matrix_count
 __all__ = [
     "Dedication",
     "DedicationSettings",
-    "OtherParams",
     "dedication_of",
     "get_dedication",
 ]
@@ -104,105 +92,6 @@ class DedicationSettings:
 
     def divide_factor(self, ranks: int) -> float:
         return self.gradient_divide_factor if self.gradient_divide_factor else ranks
-
-
-def _fsdp_covered_modules(model: nn.Module) -> set[nn.Module]:
-    """Modules whose own parameters some ``fully_shard`` manages: an FSDP module and its
-    descendants. Decided by structure, not by parameter type: inside a forward FSDP2
-    swaps its parameters for plain unsharded tensors."""
-    covered: set[nn.Module] = set()
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            covered.update(module.modules())
-    return covered
-
-
-class OtherParams:
-    """The non-dedicated trainable parameters left to the engine.
-
-    Attributes:
-        params: Trainable, not dedicated, not FSDP-managed (plain tensors); empty when
-            there is one data-parallel rank.
-    """
-
-    def __init__(
-        self, model: nn.Module, dedicated_names: set[str], groups: list[dist.ProcessGroup]
-    ) -> None:
-        self._groups = groups
-        self._ranks = math.prod(dist.get_world_size(g) for g in groups)
-        covered = _fsdp_covered_modules(model)
-        named = [
-            (name, p)
-            for name, p in model.named_parameters()
-            if p.requires_grad
-            and name not in dedicated_names
-            and model.get_submodule(name.rpartition(".")[0]) not in covered
-        ]
-        if self._ranks == 1:
-            named = []
-        self.params: list[nn.Parameter] = [p for _, p in named]
-        self._fsdp_anywhere = bool(covered)
-        if named and self._fsdp_anywhere:
-            logger.info(
-                "dedicate_params: %d parameters outside every fully_shard are kept in sync "
-                "DDP-style by the engine: %s",
-                len(named),
-                [name for name, _ in named],
-            )
-
-    @torch.no_grad()
-    def broadcast_from_rank0(self, model: nn.Module, stats: comm.CommStats) -> None:
-        """Start every replica from the values of the first data-parallel rank, as DDP
-        does (with no FSDP at all, the buffers too): from shard rank 0 inside each shard
-        group, then from replicate rank 0 across replicas."""
-        if not self.params:
-            return
-        tensors = [local_tensor(p.detach()) for p in self.params]
-        if not self._fsdp_anywhere:
-            tensors += [b.data for b in model.buffers()]
-        for group in self._groups:
-            for tensor in tensors:
-                comm.broadcast(tensor, 0, group, stats, kind="others_broadcast").wait()
-
-    @torch.no_grad()
-    def sync_grads(self, settings: DedicationSettings, stats: comm.CommStats) -> None:
-        """Average (or sum, per ``settings``) their gradients over all ranks, in one bucket.
-
-        The bucket has a place and a has-gradient flag for every parameter, so a rank that
-        skipped a module sends the same bucket as the others: a gradient no rank computed
-        stays ``None``, one that some ranks computed counts the others as zeros (as DDP
-        with ``find_unused_parameters``). A rank that computed a gradient knows that some
-        rank did: it reads the flags (one host sync) only where it computed none.
-        """
-        if not self.params:
-            return
-        dtype = functools.reduce(torch.promote_types, (p.dtype for p in self.params))
-        grads = [local_grad(p) for p in self.params]
-        bucket = comm.flagged_grad_bucket(
-            grads, [local_tensor(p).numel() for p in self.params], dtype, self.params[0].device
-        )
-        numel = bucket.numel() - len(self.params)
-        for group in self._groups:
-            comm.all_reduce(bucket, group, stats).wait()
-        bucket[:numel].div_(settings.divide_factor(self._ranks))
-        absent = [i for i, grad in enumerate(grads) if grad is None]
-        has_grad = [True] * len(self.params)
-        if absent:
-            for i, flag in zip(absent, bucket[numel:][absent].tolist(), strict=True):
-                has_grad[i] = bool(flag)
-        offset = 0
-        for p, has in zip(self.params, has_grad, strict=True):
-            numel = local_tensor(p).numel()
-            mean = bucket[offset : offset + numel]
-            offset += numel
-            if not has:
-                continue
-            if isinstance(p, DTensor):  # tensor parallelism: laid out as the parameter
-                p.grad = like_param(mean.to(p.dtype, copy=True).view(local_tensor(p).shape), p)
-            elif p.grad is None:
-                p.grad = mean.to(p.dtype, copy=True)
-            else:
-                p.grad.copy_(mean.view_as(p.grad))
 
 
 _DEDICATIONS: weakref.WeakKeyDictionary[nn.Module, Dedication] = weakref.WeakKeyDictionary()
@@ -377,8 +266,15 @@ class Dedication:
             bind_boundary(units, *dtypes, self._start_value)
         self._log_balance()
         names = {d.name for d in self.plan.params}
-        self.others = OtherParams(self.model, names, self.exchange.data_parallel_groups())
-        self.others.broadcast_from_rank0(self.model, self.stats)
+        self.others = OtherParams(
+            self.model,
+            names,
+            self.exchange.others_groups,
+            lambda: self.requires_gradient_sync,
+            self.stats,
+            self.shard_size * self.replicate_size,
+        )
+        self.others.broadcast_from_rank0(self.model)
         if self.exchange.replicas is not None:
             self.exchange.replicas.broadcast(self.units, async_op=False)
         self.initialized = True
@@ -389,7 +285,7 @@ class Dedication:
         too: they sum every data-parallel rank's tokens); DDP-style sync of the rest."""
         divide = self.settings.divide_factor(self.shard_size * self.replicate_size)
         self.exchange.finish_reduces(reduces, divide)
-        self.others.sync_grads(self.settings, self.stats)
+        self.others.sync_grads(divide)
         self.synced_backwards += 1
 
     @torch.no_grad()
@@ -626,6 +522,8 @@ class Dedication:
         while self._on_remove:
             self._on_remove.pop()()
         self.driver.remove()
+        if self.others is not None:
+            self.others.remove()
         _DEDICATIONS.pop(self.model, None)
         fsdp.unmark_dedicated(self.model)
         groups = self.exchange.process_groups()

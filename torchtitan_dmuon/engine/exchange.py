@@ -140,6 +140,8 @@ class Exchange:
             self.recovery_groups.append(
                 comm.engine_group(replicate_mesh.get_group(), "dmuon_replicate_recovery")
             )
+        self._meshes = (mesh, replicate_mesh)
+        self._others_groups: list[dist.ProcessGroup] | None = None
 
     @property
     def shard_group(self) -> dist.ProcessGroup:
@@ -155,7 +157,8 @@ class Exchange:
 
     def process_groups(self) -> list[dist.ProcessGroup]:
         """Every group of its own: shard, reduce (the same ranks), replicate, the experts'
-        shard and reduce groups, the tensor-parallel group and the recovery groups."""
+        shard and reduce groups, the tensor-parallel group, the recovery groups and the
+        DDP-style sync's."""
         groups = [self.domains[0].shard_group, self.domains[0].reduce_group]
         groups += [self.replicas.group] if self.replicas is not None else []
         groups += [
@@ -163,7 +166,7 @@ class Exchange:
         ]
         groups += [self.tp_group] if self.tp_group is not None else []
         groups += [self.owner_group.group] if self.owner_group is not None else []
-        return groups + self.recovery_groups
+        return groups + self.recovery_groups + (self._others_groups or [])
 
     def column_holders(self, layout) -> dist.ProcessGroup | None:
         """The group over the holders of a column-split piece's parts: an owner group's
@@ -171,6 +174,19 @@ class Exchange:
         if layout.block is not None:
             return self.owner_group.group
         return self.tp_group
+
+    def others_groups(self) -> list[dist.ProcessGroup]:
+        """Groups for the DDP-style sync of the parameters no ``fully_shard`` covers, over
+        the same ranks as :meth:`data_parallel_groups`: its buckets go out while the
+        dedicated reduces do, at other times on each rank, so they cannot share a group.
+        Created at the first call, by every rank of the dedication alike."""
+        if self._others_groups is None:
+            mesh, replicate_mesh = self._meshes
+            self._others_groups = [comm.engine_group(mesh.get_group(), "dmuon_others")]
+            if replicate_mesh is not None:
+                group = comm.engine_group(replicate_mesh.get_group(), "dmuon_replicate_others")
+                self._others_groups.append(group)
+        return self._others_groups
 
     def data_parallel_groups(self) -> list[dist.ProcessGroup]:
         """Groups whose successive SUM all-reduces sum over every data-parallel rank: the

@@ -56,6 +56,7 @@ from torch.utils._pytree import tree_flatten
 
 from torchtitan_dmuon.engine.boundary import BoundaryState
 from torchtitan_dmuon.engine.exchange import Exchange, PendingReduce
+from torchtitan_dmuon.engine.others import OtherParams
 
 __all__ = [
     "CollectiveSequence",
@@ -140,6 +141,7 @@ class DrivenDedication(Protocol):
     backward."""
 
     exchange: Exchange
+    others: OtherParams | None
     settings: PassSettings
     requires_gradient_sync: bool
     reshard_after_backward: bool
@@ -388,7 +390,12 @@ class HookDriver:
         if not self.pass_unfinished():
             return
         failed = self.state.name.lower()
-        agreed = self.exchange.agree_on_failed_pass(len(self.pending_reduces()))
+        others = self.d.others
+        # The dedicated reduces and the DDP-style buckets issued, as one number.
+        buckets = len(others.buckets) if others is not None else 0
+        issued = len(self.pending_reduces()) * (buckets + 1)
+        issued += others.issued if others is not None else 0
+        agreed = self.exchange.agree_on_failed_pass(issued)
         if agreed is None:
             raise self._diverge(
                 f"the last {failed} pass raised on this rank, and some data-parallel peer "
@@ -398,7 +405,7 @@ class HookDriver:
         if agreed[0] != agreed[1]:
             raise self._diverge(
                 f"the last {failed} pass raised on every data-parallel rank, but after "
-                f"different numbers of gradient reduces ({agreed[0]} to {agreed[1]})"
+                "different numbers of gradient reduces"
             )
         logger.warning(
             "dmuon: the previous %s pass did not finish; discarding its state (its "
@@ -407,6 +414,8 @@ class HookDriver:
         )
         self._wait_gathers()
         self.exchange.discard_reduces(self._take_reduces())
+        if others is not None:
+            others.discard()
         self.free_all()
         self.state = TrainingState.IDLE
 

@@ -21,7 +21,6 @@ for either optimizer). ``Muon.step``'s failure verdict (a flag per rank) is coun
 
 from __future__ import annotations
 
-import functools
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from torchtitan_dmuon.engine import fsdp
 from torchtitan_dmuon.engine.dedication import Dedication, dedication_of
+from torchtitan_dmuon.engine.others import bucket_params
 from torchtitan_dmuon.engine.param_layout import local_tensor
 from torchtitan_dmuon.engine.plan import max_over_mean
 from torchtitan_dmuon.engine.unit import unit_dtypes
@@ -266,12 +266,14 @@ def _step_agreement(dedication: Dedication) -> Counter:
 
 
 def _ddp_bucket_bytes(model: nn.Module, excluded: set[str]) -> int:
+    """The DDP-style buckets' bytes (gradients and has-gradient flags, as
+    :class:`~torchtitan_dmuon.engine.others.OtherParams` packs them)."""
     params = [p for name, p in model.named_parameters() if p.requires_grad and name not in excluded]
-    if not params:
-        return 0
-    dtype = functools.reduce(torch.promote_types, (p.dtype for p in params))
-    numel = sum(local_tensor(p).numel() for p in params)
-    return (numel + len(params)) * dtype.itemsize
+    return sum(
+        (sum(local_tensor(params[i]).numel() for i in bucket) + len(bucket))
+        * params[bucket[0]].dtype.itemsize
+        for bucket in bucket_params(params)
+    )
 
 
 def _data_parallel_groups(dedication: Dedication) -> int:

@@ -1,0 +1,70 @@
+"""The DDP-style sync of the parameters no ``fully_shard`` covers: buckets all-reduced as
+they fill, overlapping the rest of backward, as DDP's."""
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from tests.dist import run_distributed
+from tests.models import loss_fn, make_model, proj_predicate
+from tests.workers import data_for
+from torchtitan_dmuon import Muon, dedicate_params
+from torchtitan_dmuon.engine import others
+
+STEPS = 3
+
+
+def bucket_worker(rank, world, bucket_bytes):
+    others.BUCKET_BYTES = bucket_bytes
+    mesh = init_device_mesh("cpu", (world,))
+    model = make_model(seed=0)
+    dedication = dedicate_params(model, mesh, proj_predicate)  # no fully_shard: DDP-style
+    opt = Muon(model, lr=0.02, ns_dtype=torch.float32)
+    phase = ["forward"]
+    end_backward = dedication.driver._end_backward
+
+    def marked_end_backward():
+        phase[0] = "end_of_backward"
+        end_backward()
+
+    dedication.driver._end_backward = marked_end_backward  # queued as an autograd callback
+    all_reduce, issued = dist.all_reduce, []
+
+    def recorded(tensor, *args, group=None, **kwargs):
+        if group is not None and group.group_desc == "dmuon_others":
+            issued.append(phase[0])
+        return all_reduce(tensor, *args, group=group, **kwargs)
+
+    dist.all_reduce = recorded
+    try:
+        for step in range(STEPS):
+            opt.zero_grad()
+            phase[0] = "backward"
+            loss_fn(model, *data_for(step, rank, world, same_data=False)).backward()
+            phase[0] = "step"
+            opt.step()
+    finally:
+        dist.all_reduce = all_reduce
+    # The DDP-style parameters (a non-owner's dedicated matrices hold no storage now).
+    synced = {id(p) for p in dedication.others.params}
+    params = {n: p.detach().clone() for n, p in model.named_parameters() if id(p) in synced}
+    return issued, len(dedication.others.buckets), params
+
+
+def test_buckets_are_reduced_as_they_fill():
+    """With 4 KiB buckets the embedding, norms and head travel in several buckets, most
+    all-reduced inside backward as it fills (the old code sent one bucket from the end of
+    backward); the result is bitwise the one-bucket run's."""
+    small = run_distributed(bucket_worker, 2, 4096)
+    whole = run_distributed(bucket_worker, 2, 2**30)
+    for (issued, buckets, params), (one_issued, one_bucket, one_params) in zip(
+        small, whole, strict=True
+    ):
+        assert one_bucket == 1 and len(one_issued) == STEPS
+        assert buckets > 2
+        assert len(issued) == buckets * STEPS
+        # Every bucket fills inside backward here (every rank uses every parameter).
+        assert issued == ["backward"] * buckets * STEPS, issued
+        assert len(one_params) > 2
+        for name, value in one_params.items():
+            assert torch.equal(params[name], value), name
