@@ -32,7 +32,10 @@ field below is a TOML key (`[dmuon] ns_steps = 5`) and a flag (`--dmuon.ns_steps
 `--help` with `--job.custom_config_module torchtitan_dmuon.titan.config` prints the same
 text. A value outside a field's choices or range is refused while TorchTitan parses the
 config, before any model is built. AdamW, which takes every parameter DMuon does not,
-keeps TorchTitan's own `[optimizer]` lr, beta1, beta2, eps and weight_decay.
+keeps TorchTitan's own `[optimizer]` lr, beta1, beta2, eps and weight_decay. Weight decay
+has one rule: `[optimizer] weight_decay` decays every parameter, the Muon matrices
+included, unless `[dmuon] weight_decay` sets theirs; the startup log's `DMuon weight
+decay:` line says what each group got.
 
 **From an AdamW config.** Keep `[optimizer]` as it is (AdamW's lr and weight decay now
 apply to the embeddings, norms and output head only, and `[optimizer] weight_decay` also
