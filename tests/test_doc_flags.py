@@ -277,3 +277,85 @@ def test_refusals_name_file_line_and_flag(tmp_path, fields_by_name):
         "bad.md:7 --training.steps ten",
         "bad.md:14 --optimizer.lrr 0.003",
     ]
+
+
+# Words of the project's own bookkeeping that mean nothing to a reader of the docs.
+INTERNAL_WORDS = {
+    "an issue number": re.compile(r"\bissues? #?\d+|(?<![\w&/])#\d+\b", re.I),
+    '"goal"': re.compile(r"\bgoals?\b", re.I),
+    '"the seed"': re.compile(r"\bthe seed\b", re.I),
+    '"dirty"': re.compile(r"\bdirty\b", re.I),
+    '"lent"': re.compile(r"\blent\b", re.I),
+}
+
+
+def internal_words(path: Path) -> list[str]:
+    """``file:line: what`` for each internal word of one page."""
+    name = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else str(path)
+    return [
+        f"{name}:{number}: {what}: {line.strip()[:100]}"
+        for number, line in enumerate(path.read_text().split("\n"), start=1)
+        for what, pattern in INTERNAL_WORDS.items()
+        if pattern.search(line)
+    ]
+
+
+def test_docs_name_no_internal_words():
+    found = [hit for path in DOCS for hit in internal_words(path)]
+    assert not found, "internal words on the pages (say what is meant):\n" + "\n".join(found)
+
+
+# A repository path a page names: under one of these folders, or one of the top-level files.
+REPO_PATH = re.compile(
+    r"(?<![\w./-])(?:(?:torchtitan_dmuon|tests|benchmarks|scripts|train_configs|docs)/"
+    r"[\w./*-]*[\w*]|(?:run_train\.sh|run_tests\.sh|multinode_trainer\.slurm|pyproject\.toml"
+    r"|CHANGELOG\.md|README\.md)\b)"
+)
+# Paths that runs write (git ignores them): named as places to look, not files of the checkout.
+WRITTEN_BY_RUNS = ("benchmarks/results/",)
+MD_LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def missing_paths(path: Path) -> list[str]:
+    """``file:line: path`` for each repository path or relative link of one page that the
+    checkout lacks (a glob must match something; a link resolves from the page's folder)."""
+    name = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else str(path)
+    missing = []
+    for number, line in enumerate(path.read_text().split("\n"), start=1):
+        for match in REPO_PATH.finditer(line):
+            target = match.group(0).split("::")[0].rstrip(".")
+            if target.startswith(WRITTEN_BY_RUNS):
+                continue
+            exists = any(ROOT.glob(target)) if "*" in target else (ROOT / target).exists()
+            if not exists:
+                missing.append(f"{name}:{number}: {target}")
+        for match in MD_LINK.finditer(line):
+            target = match.group(1).split("#")[0]
+            if not target or "://" in target or target.startswith("mailto:"):
+                continue
+            if not (path.parent / target).exists():
+                missing.append(f"{name}:{number}: link {target}")
+    return missing
+
+
+def test_docs_name_only_files_that_exist():
+    missing = [hit for path in DOCS for hit in missing_paths(path)]
+    assert not missing, "paths the pages name that the checkout lacks:\n" + "\n".join(missing)
+
+
+def test_the_checks_catch_internal_words_and_missing_paths(tmp_path):
+    """The two checkers themselves, on a page with one of each kind of error."""
+    doc = tmp_path / "bad.md"
+    doc.write_text(
+        "Fixed in issue 48 (see #12); the goal was met on a dirty tree.\n"
+        "As the seed said, on the GPU we were lent.\n"
+        "Run `tests/test_nothing.py` or [this](nowhere.md); `tests/test_doc_flags.py` is fine.\n"
+    )
+    words = [hit.split(": ")[1] for hit in internal_words(doc)]
+    assert words == [
+        "an issue number", '"goal"', '"dirty"', '"the seed"', '"lent"'
+    ]  # fmt: skip
+    assert [hit.rpartition(": ")[2] for hit in missing_paths(doc)] == [
+        "tests/test_nothing.py",
+        "link nowhere.md",
+    ]
