@@ -359,3 +359,23 @@ def test_the_checks_catch_internal_words_and_missing_paths(tmp_path):
         "tests/test_nothing.py",
         "link nowhere.md",
     ]
+
+
+def test_readme_results_are_quoted_from_their_pages():
+    """Every decimal figure of the README's Results table is written on the page it links
+    (docs/benchmarks.md or docs/scaling.md), where it lives with its method: a headline
+    cannot drift from its table."""
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split("## Results", 1)[1].split("\n## ", 1)[0]
+    pages = (ROOT / "docs" / "benchmarks.md").read_text() + (
+        ROOT / "docs" / "scaling.md"
+    ).read_text()
+    rows = [line for line in table.split("\n") if line.startswith("| ") and "---" not in line]
+    assert len(rows) >= 5
+    missing = [
+        number
+        for row in rows[1:]
+        for number in re.findall(r"(?<![\w.])\d+\.\d+", row.rpartition("| [")[0])
+        if number not in pages
+    ]
+    assert not missing, f"README figures not on their pages: {missing}"
