@@ -330,12 +330,25 @@ def missing_paths(path: Path) -> list[str]:
             if not exists:
                 missing.append(f"{name}:{number}: {target}")
         for match in MD_LINK.finditer(line):
-            target = match.group(1).split("#")[0]
-            if not target or "://" in target or target.startswith("mailto:"):
+            target, _, anchor = match.group(1).partition("#")
+            if "://" in target or target.startswith("mailto:"):
                 continue
-            if not (path.parent / target).exists():
+            page = path.parent / target if target else path
+            if not page.exists():
                 missing.append(f"{name}:{number}: link {target}")
+            elif anchor and page.suffix == ".md" and anchor not in heading_anchors(page):
+                missing.append(f"{name}:{number}: link {match.group(1)}")
     return missing
+
+
+def heading_anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation dropped
+    (hyphens and underscores kept), spaces as hyphens."""
+    text = re.sub(r"^(```|~~~).*?^\1", "", page.read_text(), flags=re.S | re.M)
+    return {
+        re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        for heading in re.findall(r"^#{1,6} (.+)$", text, flags=re.M)
+    }
 
 
 def test_docs_name_only_files_that_exist():
@@ -350,6 +363,8 @@ def test_the_checks_catch_internal_words_and_missing_paths(tmp_path):
         "Fixed in issue 48 (see #12); the goal was met on a dirty tree.\n"
         "As the seed said, on the GPU we were lent.\n"
         "Run `tests/test_nothing.py` or [this](nowhere.md); `tests/test_doc_flags.py` is fine.\n"
+        "[Here](#no-such-heading), [there](#the-heading-here).\n"
+        "\n## The heading (here)\n"
     )
     words = [hit.split(": ")[1] for hit in internal_words(doc)]
     assert words == [
@@ -358,6 +373,7 @@ def test_the_checks_catch_internal_words_and_missing_paths(tmp_path):
     assert [hit.rpartition(": ")[2] for hit in missing_paths(doc)] == [
         "tests/test_nothing.py",
         "link nowhere.md",
+        "link #no-such-heading",
     ]
 
 
