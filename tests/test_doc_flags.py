@@ -395,3 +395,17 @@ def test_readme_results_are_quoted_from_their_pages():
         if number not in pages
     ]
     assert not missing, f"README figures not on their pages: {missing}"
+
+
+def test_readme_toml_block_parses(tmp_path, in_checkout):
+    """The README's ``[optimizer]`` / ``[dmuon]`` block, as a TOML file of its own, is a
+    config TorchTitan's parser takes, with DMuon switched on and ``[dmuon]`` read."""
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```toml\n(.*?)```", readme, flags=re.S)
+    assert len(blocks) == 1
+    config = tmp_path / "readme.toml"
+    config.write_text(blocks[0])
+    with contextlib.redirect_stdout(io.StringIO()):
+        parsed = ConfigManager().parse_args(["--job.config_file", str(config)])
+    assert parsed.optimizer.name == "DMuon"
+    assert parsed.dmuon.lr == 0.02 and parsed.dmuon.reshard_after_forward is True
