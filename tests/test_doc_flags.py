@@ -277,3 +277,135 @@ def test_refusals_name_file_line_and_flag(tmp_path, fields_by_name):
         "bad.md:7 --training.steps ten",
         "bad.md:14 --optimizer.lrr 0.003",
     ]
+
+
+# Words of the project's own bookkeeping that mean nothing to a reader of the docs.
+INTERNAL_WORDS = {
+    "an issue number": re.compile(r"\bissues? #?\d+|(?<![\w&/])#\d+\b", re.I),
+    '"goal"': re.compile(r"\bgoals?\b", re.I),
+    '"the seed"': re.compile(r"\bthe seed\b", re.I),
+    '"dirty"': re.compile(r"\bdirty\b", re.I),
+    '"lent"': re.compile(r"\blent\b", re.I),
+}
+
+
+def internal_words(path: Path) -> list[str]:
+    """``file:line: what`` for each internal word of one page."""
+    name = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else str(path)
+    return [
+        f"{name}:{number}: {what}: {line.strip()[:100]}"
+        for number, line in enumerate(path.read_text().split("\n"), start=1)
+        for what, pattern in INTERNAL_WORDS.items()
+        if pattern.search(line)
+    ]
+
+
+def test_docs_name_no_internal_words():
+    found = [hit for path in DOCS for hit in internal_words(path)]
+    assert not found, "internal words on the pages (say what is meant):\n" + "\n".join(found)
+
+
+# A repository path a page names: under one of these folders, or one of the top-level files.
+REPO_PATH = re.compile(
+    r"(?<![\w./-])(?:(?:torchtitan_dmuon|tests|benchmarks|scripts|train_configs|docs)/"
+    r"[\w./*-]*[\w*]|(?:run_train\.sh|run_tests\.sh|multinode_trainer\.slurm|pyproject\.toml"
+    r"|CHANGELOG\.md|README\.md)\b)"
+)
+# Paths that runs write (git ignores them): named as places to look, not files of the checkout.
+WRITTEN_BY_RUNS = ("benchmarks/results/",)
+MD_LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def missing_paths(path: Path) -> list[str]:
+    """``file:line: path`` for each repository path or relative link of one page that the
+    checkout lacks (a glob must match something; a link resolves from the page's folder)."""
+    name = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else str(path)
+    missing = []
+    for number, line in enumerate(path.read_text().split("\n"), start=1):
+        for match in REPO_PATH.finditer(line):
+            target = match.group(0).split("::")[0].rstrip(".")
+            if target.startswith(WRITTEN_BY_RUNS):
+                continue
+            exists = any(ROOT.glob(target)) if "*" in target else (ROOT / target).exists()
+            if not exists:
+                missing.append(f"{name}:{number}: {target}")
+        for match in MD_LINK.finditer(line):
+            target, _, anchor = match.group(1).partition("#")
+            if "://" in target or target.startswith("mailto:"):
+                continue
+            page = path.parent / target if target else path
+            if not page.exists():
+                missing.append(f"{name}:{number}: link {target}")
+            elif anchor and page.suffix == ".md" and anchor not in heading_anchors(page):
+                missing.append(f"{name}:{number}: link {match.group(1)}")
+    return missing
+
+
+def heading_anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation dropped
+    (hyphens and underscores kept), spaces as hyphens."""
+    text = re.sub(r"^(```|~~~).*?^\1", "", page.read_text(), flags=re.S | re.M)
+    return {
+        re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        for heading in re.findall(r"^#{1,6} (.+)$", text, flags=re.M)
+    }
+
+
+def test_docs_name_only_files_that_exist():
+    missing = [hit for path in DOCS for hit in missing_paths(path)]
+    assert not missing, "paths the pages name that the checkout lacks:\n" + "\n".join(missing)
+
+
+def test_the_checks_catch_internal_words_and_missing_paths(tmp_path):
+    """The two checkers themselves, on a page with one of each kind of error."""
+    doc = tmp_path / "bad.md"
+    doc.write_text(
+        "Fixed in issue 48 (see #12); the goal was met on a dirty tree.\n"
+        "As the seed said, on the GPU we were lent.\n"
+        "Run `tests/test_nothing.py` or [this](nowhere.md); `tests/test_doc_flags.py` is fine.\n"
+        "[Here](#no-such-heading), [there](#the-heading-here).\n"
+        "\n## The heading (here)\n"
+    )
+    words = [hit.split(": ")[1] for hit in internal_words(doc)]
+    assert words == [
+        "an issue number", '"goal"', '"dirty"', '"the seed"', '"lent"'
+    ]  # fmt: skip
+    assert [hit.rpartition(": ")[2] for hit in missing_paths(doc)] == [
+        "tests/test_nothing.py",
+        "link nowhere.md",
+        "link #no-such-heading",
+    ]
+
+
+def test_readme_results_are_quoted_from_their_pages():
+    """Every decimal figure of the README's Results table is written on the page it links
+    (docs/benchmarks.md or docs/scaling.md), where it lives with its method: a headline
+    cannot drift from its table."""
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split("## Results", 1)[1].split("\n## ", 1)[0]
+    pages = (ROOT / "docs" / "benchmarks.md").read_text() + (
+        ROOT / "docs" / "scaling.md"
+    ).read_text()
+    rows = [line for line in table.split("\n") if line.startswith("| ") and "---" not in line]
+    assert len(rows) >= 5
+    missing = [
+        number
+        for row in rows[1:]
+        for number in re.findall(r"(?<![\w.])\d+\.\d+", row.rpartition("| [")[0])
+        if number not in pages
+    ]
+    assert not missing, f"README figures not on their pages: {missing}"
+
+
+def test_readme_toml_block_parses(tmp_path, in_checkout):
+    """The README's ``[optimizer]`` / ``[dmuon]`` block, as a TOML file of its own, is a
+    config TorchTitan's parser takes, with DMuon switched on and ``[dmuon]`` read."""
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```toml\n(.*?)```", readme, flags=re.S)
+    assert len(blocks) == 1
+    config = tmp_path / "readme.toml"
+    config.write_text(blocks[0])
+    with contextlib.redirect_stdout(io.StringIO()):
+        parsed = ConfigManager().parse_args(["--job.config_file", str(config)])
+    assert parsed.optimizer.name == "DMuon"
+    assert parsed.dmuon.lr == 0.02 and parsed.dmuon.reshard_after_forward is True

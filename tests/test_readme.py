@@ -1,6 +1,7 @@
-"""The README's parallelism snippets, run as written: each one prepares ``model`` on 4 gloo
-ranks and builds ``optimizer``; four steps of it then equal one-process torch.optim.Muon +
-torch.optim.AdamW (Muon's defaults) on the whole batch."""
+"""The parallelism snippets of docs/parallelism.md, run as written: each one prepares
+``model`` on 4 gloo ranks and builds ``optimizer``; four steps of it then equal one-process
+torch.optim.Muon + torch.optim.AdamW (Muon's defaults) on the whole batch. And the cluster
+guide's commands (docs/cluster.md) each name their test or say they need a GPU."""
 
 from __future__ import annotations
 
@@ -39,9 +40,9 @@ ADAMW_DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, fu
 
 
 def guide_snippets() -> dict[str, str]:
-    """The Python blocks of the README's parallelism guide, by their first word."""
-    readme = (ROOT / "README.md").read_text()
-    guide = readme[readme.index("## Parallelism guide") : readme.index("## Architecture")]
+    """The Python blocks of docs/parallelism.md's parallelism guide, by their first word."""
+    page = (ROOT / "docs" / "parallelism.md").read_text()
+    guide = page[page.index("## Parallelism guide") :].split("\n## ", 1)[0]
     blocks = re.findall(r"```python\n(.*?)```", guide, flags=re.S)
     return {block.split()[1].rstrip(":"): block for block in blocks}
 
@@ -134,10 +135,10 @@ def test_guide_snippet_trains_like_one_process(name, snippet_runs):
 
 
 def test_cluster_guide_commands_are_tested_or_need_a_gpu():
-    """Every command of the README's cluster guide either names the test that runs it
+    """Every command of docs/cluster.md's cluster guide either names the test that runs it
     (``# tested: tests/FILE::TEST``, and that test exists) or says it needs a GPU."""
-    readme = (ROOT / "README.md").read_text()
-    guide = readme.split("## From a laptop to a cluster", 1)[1].split("\n## ", 1)[0]
+    page = (ROOT / "docs" / "cluster.md").read_text()
+    guide = page.split("## From a laptop to a cluster", 1)[1].split("\n## ", 1)[0]
     commands = [
         line
         for block in re.findall(r"```bash\n(.*?)```", guide, re.S)

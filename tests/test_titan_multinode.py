@@ -156,3 +156,40 @@ def test_two_nodes_equal_one_launch(tmp_path):
     assert slurm.returncode == 0, slurm.output[-3000:]
     assert slurm.losses == single.losses
     assert "global_ranks=[0, 1]" in slurm.output and "global_ranks=[2, 3]" in slurm.output
+
+
+def _fake_checkout(tmp_path: Path) -> Path:
+    """A checkout whose ``run_train.sh`` prints the arguments it was given on one line
+    (``|`` between them), and whose ``scripts/setup.sh`` does nothing: the slurm script's
+    own choices, fast."""
+    root = tmp_path / "checkout"
+    (root / "scripts").mkdir(parents=True)
+    (root / "scripts" / "setup.sh").write_text("#!/usr/bin/env bash\n")
+    (root / "run_train.sh").write_text('#!/usr/bin/env bash\n(IFS="|"; echo "args|$*")\n')
+    for path in (root / "scripts" / "setup.sh", root / "run_train.sh"):
+        path.chmod(0o755)
+    return root
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        ([], ["--parallelism.data_parallel_replicate_degree", "2"]),
+        (["--parallelism.data_parallel_replicate_degree", "1"], []),
+        (["--parallelism.data_parallel_replicate_degree=1"], []),
+    ],
+)
+def test_slurm_script_derives_the_replicate_degree_from_the_nodes(tmp_path, given, expected):
+    """One HSDP replica per node: the script passes
+    ``--parallelism.data_parallel_replicate_degree`` = the job's node count before the
+    user's arguments, unless they name one themselves."""
+    env = _slurm_env(tmp_path, tmp_path / "dump", DMUON_ROOT=str(_fake_checkout(tmp_path)))
+    args = ["--job.config_file", "train_configs/llama3_8b_hsdp_z3.toml", *given]
+    done = subprocess.run(
+        [str(_spooled_script(tmp_path)), *args], cwd=tmp_path, env=env, capture_output=True,
+        text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    per_node = [line.split("|")[1:] for line in lines if line.startswith("args|")]
+    assert per_node == [expected + args] * 2  # one task on each of the 2 nodes
