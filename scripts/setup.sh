@@ -23,7 +23,7 @@ PY="$VENV/bin/python"
 STAMP="$VENV/.dmuon-setup-stamp"
 TORCH_CPU_VERSION="2.13.0"
 TRITON_CPU_VERSION="3.9.0"
-# pyproject.toml's range (the README's "Install into another project" says why): from
+# pyproject.toml's range (docs/python.md's "Install into another project" says why): from
 # 2.11, what GPU images ship (the GPU check machine's 2.11+cu130), checked against the
 # package's torch calls (docs/gpu.md); below 2.15, as the engine reads FSDP2 internals
 # that a later torch may move. CPU machines get TORCH_CPU_VERSION.
