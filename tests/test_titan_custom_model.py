@@ -15,6 +15,7 @@ from torchtitan.components.loss import cross_entropy_loss
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 
 from tests import custom_model
+from tests.test_titan_dry_run import plan_report
 from tests.test_titan_integration import SHORT, run_train
 from tests.workers import reference_setup
 from torchtitan_dmuon.titan import train_spec
@@ -185,3 +186,12 @@ def test_custom_model_trains_with_dmuon_and_equals_one_process_muon_and_adamw(tm
     dcp.load(saved, checkpoint_id=str(tmp_path / "run" / "checkpoint" / f"step-{STEPS}"))
     for name, value in reference.items():
         torch.testing.assert_close(saved[name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_plan_report_reads_the_custom_import(tmp_path):
+    """The plan report command imports ``[experimental] custom_import`` as the trainer
+    does, and counts the user's model at 8 simulated ranks: its 6 block linears, one
+    owner each."""
+    line, report = plan_report(8, tmp_path, *CUSTOM, "--model.name", custom_model.NAME)
+    assert "of 6 matrices" in line, line
+    assert sum(r["owned"] for r in report["parts"][0]["ranks"]) == 6
