@@ -87,6 +87,7 @@ def test_parallelize_without_hookable_names_is_refused_before_it_runs():
     runs, naming it and what to change; no process group exists here, so no collective
     could have run. Without DMuon, or with one data-parallel rank, it runs as it is."""
     assert not {"apply_fsdp", "fully_shard", "apply_ddp"} & set(globals())
+    assert not torch.distributed.is_initialized()
     cfg = _job_config("--model.name", custom_model.NAME)
     dims = types.SimpleNamespace(
         dp_enabled=True, fsdp_enabled=True, dp_replicate_enabled=False, world_size=2,

@@ -375,6 +375,8 @@ def with_dedication(parallelize_fn: Callable) -> Callable:
         part = model
 
         def dedicate(model_, mesh, expert_mesh=None):
+            if model_ in _SETTINGS:  # by an earlier fully_shard or apply_fsdp of the call
+                return
             if selects:
                 _dedicate(model_, mesh, settings, z3, expert_mesh)
             _SETTINGS[model_] = settings
