@@ -5,8 +5,8 @@ process that imported the trainer once.
 and datasets again: about 8 CPU-seconds per process on a 2-core CPU, a third of the
 suite's CPU time. The suite's runs go through :func:`launch` instead (``run_train.sh``'s
 own logic, its setup and torchrun's rendezvous keep tests of their own): a server
-process (``python -m tests.launcher``) imports ``torchtitan_dmuon.titan.train`` and
-registers the train specs, then per request forks the ranks with the environment torchrun
+process (``python -m tests.launcher``) imports ``torchtitan_dmuon.titan.train``, then
+per request forks the ranks with the environment torchrun
 gives them (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``, one
 OpenMP thread), each writing to ``<logs>/rank<r>/stderr.log``. As torchrun, it stops the
 other ranks when one fails, and returns the output of the ranks ``LOG_RANK`` names, each
@@ -174,9 +174,7 @@ def serve() -> None:
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # what the imports print goes to stderr, not into the answers
     import torchtitan_dmuon.titan.train  # noqa: F401
-    from torchtitan_dmuon.titan import register
 
-    register()
     answers.write(json.dumps({"ready": True}) + "\n")
     answers.flush()
     for line in sys.stdin:

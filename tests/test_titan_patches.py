@@ -40,6 +40,7 @@ def test_trainer_undoes_every_patch_after_training_and_after_an_error(tmp_path):
         "torchtitan.distributed.utils.clip_grad_norm_",
         "torchtitan.distributed.utils.init_distributed",
         "torchtitan.distributed.utils.set_pg_timeouts",
+        "torchtitan.protocols.train_spec.get_train_spec",
         "MetricsProcessor.log",
     ):
         assert name in probe["replaced"], probe["replaced"]

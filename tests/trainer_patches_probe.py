@@ -11,7 +11,6 @@ import torch
 from torchtitan.config import ConfigManager
 from torchtitan.train import main
 
-from torchtitan_dmuon.titan import register
 from torchtitan_dmuon.titan.patches import PatchRegistry
 from torchtitan_dmuon.titan.train import DMuonTrainer
 
@@ -52,7 +51,6 @@ def fail_building(args: list[str]) -> str | None:
 
 
 if __name__ == "__main__":
-    register()
     originals = {"torch.histc": torch.histc, "torch.profiler.profile": torch.profiler.profile}
     args = sys.argv[1:]
     main(ProbedTrainer)

@@ -10,28 +10,40 @@
   through, undone when the trainer ends;
 * ``train.py``: the training entry point (``run_train.sh`` runs it).
 
-A new model goes in :data:`MODELS` below, if its parallelize function applies FSDP through
-a module-level ``apply_fsdp`` as TorchTitan's do. TorchTitan's HF backend
-(``transformers_modeling_backend``, ``hf.py``) is wrapped too where ``transformers`` is
-installed, with the flavors of ``hf.py`` (Qwen2.5, Mistral, Llama-3.2) added to its own,
-and TorchTitan's vlm experiment (``vlm``, ``vlm.py``: frozen or trainable vision tower, a
-VLA's action head, an SDPA path for CPU).
+Every train spec TorchTitan looks up gets DMuon: ``DMuonTrainer`` replaces TorchTitan's
+``get_train_spec`` for its lifetime by :func:`train_spec`, which wraps whatever spec is
+registered when the trainer starts: TorchTitan's own models and experiments, and one a
+user registers with ``register_train_spec`` in a module named by ``[experimental]
+custom_import`` (which TorchTitan's ``Trainer.__init__`` imports right before it looks the
+spec up). A new model therefore needs no change here: its parallelize function must reach
+FSDP through a module-level ``apply_fsdp(model, dp_mesh, ...)`` (TorchTitan's) or
+``fully_shard(module, mesh=...)``, which ``parallelize.py`` replaces for the call, and
+with ``[dmuon] params`` empty DMuon takes the 2-D weights of the ``nn.Linear`` layers
+inside its blocks (``MODEL_SELECTIONS`` in ``config.py`` holds the selections of the
+models that have their own). TorchTitan's HF backend (``transformers_modeling_backend``,
+``hf.py``) gets the flavors of ``hf.py`` (Qwen2.5, Mistral, Llama-3.2) besides its own,
+and TorchTitan's vlm experiment (``vlm``, ``vlm.py``) frozen or trainable vision tower
+modes, a VLA's action head and an SDPA path for CPU.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 
-from torchtitan.protocols.train_spec import get_train_spec, register_train_spec
+import torchtitan.protocols.train_spec as train_spec_module
+from torchtitan.protocols.train_spec import TrainSpec, register_train_spec
 
-__all__ = ["MODELS", "register"]
+__all__ = ["register", "train_spec"]
 
 logger = logging.getLogger(__name__)
 
-MODELS = ("llama3", "qwen3", "llama4", "deepseek_v3", "gpt_oss")
-"""TorchTitan models whose train specs DMuon wraps (same names: selecting ``[optimizer]
-name = "DMuon"`` is the only change a config needs)."""
+_titan_get_train_spec = train_spec_module.get_train_spec
+"""TorchTitan's lookup (``DMuonTrainer`` replaces the module's name by :func:`train_spec`)."""
+
+_WRAPPED: weakref.WeakSet = weakref.WeakSet()
+"""The optimizer builders of the specs :func:`train_spec` made (a spec is wrapped once)."""
 
 _registered = False
 
@@ -57,16 +69,26 @@ def _wrap_optimizer_builder(build_optimizers_fn):
         finally:
             titan_optimizer.build_optimizers = titan_builder
 
+    _WRAPPED.add(build)
     return build
 
 
-def _wrapped_spec(name: str):
-    """TorchTitan's train spec ``name`` with DMuon's parallelize, pipelining and optimizer
-    functions (and, for the HF backend and the vlm experiment, this package's flavors)."""
+def train_spec(name: str) -> TrainSpec:
+    """The train spec TorchTitan has for ``name`` (its own models and experiments, or one
+    registered with ``register_train_spec``, e.g. by an ``[experimental] custom_import``
+    module), with DMuon's parallelize, pipelining and optimizer functions (and, for the HF
+    backend and the vlm experiment, this package's flavors). With another ``[optimizer]
+    name`` those functions are the spec's own. A spec made here is returned as it is.
+
+    Raises:
+        ValueError: TorchTitan has no spec ``name``.
+    """
     from torchtitan_dmuon.titan import hf, vlm
     from torchtitan_dmuon.titan.parallelize import with_dedication, with_pipeline_stages
 
-    spec = get_train_spec(name)
+    spec = _titan_get_train_spec(name)
+    if spec.build_optimizers_fn in _WRAPPED:
+        return spec
     pipelining_fn = spec.pipelining_fn
     parallelize_fn, extra = with_dedication(spec.parallelize_fn), {}
     if name == hf.HF_MODEL:  # the backend's flavors and the families' own
@@ -89,24 +111,27 @@ def _wrapped_spec(name: str):
 
 
 def register() -> None:
-    """Register DMuon-aware train specs for :data:`MODELS`. Idempotent. (The CPU layer is
-    the trainer's: ``DMuonTrainer`` installs it and undoes it.)"""
+    """Register the :func:`train_spec` of each model with a selection of its own
+    (``MODEL_SELECTIONS`` in ``config.py``) under its name, for code that looks specs up
+    with TorchTitan's ``get_train_spec`` outside ``DMuonTrainer`` (which wraps every spec
+    it looks up, any model, and needs no registration). An optional backend that is not
+    installed, or is in a version TorchTitan 0.2.2's code cannot use (a GPU image's
+    transformers, say), is skipped with a warning. Idempotent."""
     global _registered
     if _registered:
         return
     from torchtitan_dmuon.titan import hf, vlm
+    from torchtitan_dmuon.titan.config import MODEL_SELECTIONS
 
-    names = [*MODELS, hf.HF_MODEL] if hf.available() else [*MODELS]
-    if vlm.available():
-        names.append(vlm.VLM_MODEL)
-    for name in names:
+    optional = {hf.HF_MODEL: hf.available, vlm.VLM_MODEL: vlm.available}
+    for name in MODEL_SELECTIONS:
+        if name in optional and not optional[name]():
+            continue
         try:
-            spec = _wrapped_spec(name)
+            spec = train_spec(name)
         except Exception as error:
-            if name in MODELS:
+            if name not in optional:
                 raise
-            # An optional backend whose packages are there in a version TorchTitan 0.2.2's
-            # code cannot use (a GPU image's transformers, say): the other models train.
             logger.warning("dmuon: %s is not registered: %s: %s", name, type(error).__name__, error)
             continue
         register_train_spec(name, spec)

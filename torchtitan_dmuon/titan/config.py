@@ -88,8 +88,10 @@ MODEL_SELECTIONS = {
         )
     ),
 }
-"""The default selection of each model DMuon wraps (``torchtitan_dmuon.titan.MODELS``):
-what a Muon user picks, the matrices of attention and of the dense and expert FFNs."""
+"""The default selection of each model that has one of its own: what a Muon user picks,
+the matrices of attention and of the dense and expert FFNs. Any other model (a user's,
+registered through ``[experimental] custom_import``) gets the 2-D weights of the
+``nn.Linear`` layers inside its blocks (``parallelize.linear_selection``)."""
 
 
 @dataclass(frozen=True)
@@ -112,7 +114,8 @@ class DMuon(MuonConfig):
     experts, e.g. "layers.*.moe.experts.w[123]": split among owners, each expert
     orthogonalized on its own). The rest goes to AdamW. Empty (the default): the model's
     own selection (MODEL_SELECTIONS in torchtitan_dmuon/titan/config.py: the attention,
-    dense FFN and expert matrices), as far as its flavor has them."""
+    dense FFN and expert matrices), as far as its flavor has them; for a model without one
+    the 2-D weights of the nn.Linear layers inside its blocks (logged at start)."""
 
     hook_boundaries: list[str] = field(default_factory=list)
     """Glob patterns over module names that become hook boundaries besides the transformer

@@ -2,25 +2,30 @@
 
 TorchTitan's parallelize functions apply TP, CP, activation checkpointing and compile,
 then FSDP/HSDP (``apply_fsdp``) or DDP (``apply_ddp``). :func:`with_dedication` wraps one
-so that, when ``[optimizer] name = "DMuon"``, the wrapped function's own ``apply_fsdp``
-first dedicates the selected matrices on the FSDP mesh (HSDP: its ``fsdp`` dim as shard
-mesh and ``dp_replicate`` as replicate mesh), and ``apply_ddp`` is replaced by DMuon's
-DDP-style synchronization. With one data-parallel rank neither runs: the part gets plain
-Muon + AdamW, with no collective of the engine. :func:`with_pipeline_stages` wraps a
-pipelining function (TorchTitan's ``pipeline_llm`` calls the parallelize function once
-per model part) so that each stage drives its part's dedication. The names are swapped
-in the function's module only for the duration of the call. Everything else is
-TorchTitan's code, unchanged.
+(any model's: TorchTitan's, or a user's whose function calls ``fully_shard`` itself) so
+that, when ``[optimizer] name = "DMuon"``, the wrapped function's own ``apply_fsdp``, or
+else its first ``fully_shard``, first dedicates the selected matrices on the FSDP mesh
+(HSDP: its ``fsdp`` dim as shard mesh and ``dp_replicate`` as replicate mesh), and
+``apply_ddp`` is replaced by DMuon's DDP-style synchronization; a function that applies
+data parallelism otherwise is refused, naming it, before any collective. With one
+data-parallel rank neither runs: the part gets plain Muon + AdamW, with no collective of
+the engine. :func:`with_pipeline_stages` wraps a pipelining function (TorchTitan's
+``pipeline_llm`` calls the parallelize function once per model part) so that each stage
+drives its part's dedication. The names are swapped in the function's module only for the
+duration of the call. Everything else is TorchTitan's code, unchanged.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import dataclasses
 import fnmatch
 import functools
+import inspect
 import logging
+import re
 import weakref
 from collections.abc import Callable
 
@@ -36,7 +41,7 @@ from torchtitan_dmuon.engine import (
 )
 from torchtitan_dmuon.engine.plan import default_boundary_modules
 from torchtitan_dmuon.optim.qk_clip import discard_records
-from torchtitan_dmuon.titan.config import MODEL_SELECTIONS, DMuon
+from torchtitan_dmuon.titan.config import MODEL_SELECTIONS, DMuon, ModelSelection
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +49,7 @@ __all__ = [
     "DMUON",
     "clean_fqn",
     "dmuon_settings",
+    "linear_selection",
     "muon_predicate",
     "resolve_selection",
     "with_dedication",
@@ -63,8 +69,8 @@ def dmuon_settings(model: nn.Module) -> DMuon:
     if model not in _SETTINGS:
         raise RuntimeError(
             "[optimizer] name = 'DMuon' needs a model parallelized by a DMuon train spec "
-            "(torchtitan_dmuon.titan.MODELS lists the registered ones); this model part "
-            "was not dedicated"
+            "(DMuonTrainer wraps every spec it looks up: torchtitan_dmuon.titan.train_spec); "
+            "this model part was not dedicated"
         )
     return _SETTINGS[model]
 
@@ -94,29 +100,87 @@ def _matching(patterns, names: list[str]) -> list[str]:
     return [p for p in patterns if any(_matches(n, [p]) for n in names)]
 
 
+def _glob_literal(text: str) -> str:
+    """``text`` as an fnmatch pattern that matches it alone."""
+    return re.sub(r"([*?[])", r"[\1]", text)
+
+
+def linear_selection(model: nn.Module) -> list[str]:
+    """The default selection of a model without one of its own (not in
+    ``MODEL_SELECTIONS``): the 2-D weights of the ``nn.Linear`` layers inside its blocks
+    (modules held in an ``nn.ModuleList`` or ``nn.ModuleDict``, which is where Muon's
+    hidden matrices are; embeddings and the output head are outside them), tied ones left
+    out. As patterns, a block's index a wildcard wherever that matches these weights
+    alone (``layers.*.mlp.w_in.weight``), else the weight's own name."""
+    in_blocks = {id(m) for block in default_boundary_modules(model) for m in block.modules()}
+    uses = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    names = [
+        clean_fqn(f"{name}.weight")
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear)
+        and id(module) in in_blocks
+        and module.weight.ndim == 2
+        and uses[id(module.weight)] == 1
+    ]
+    chosen, others = set(names), [clean_fqn(n) for n, _ in model.named_parameters()]
+    patterns: list[str] = []
+    for name in names:
+        parts = name.split(".")
+        pattern = ".".join("*" if part.isdigit() else _glob_literal(part) for part in parts)
+        if any(fnmatch.fnmatchcase(n, pattern) for n in others if n not in chosen):
+            pattern = _glob_literal(name)
+        if pattern not in patterns:
+            patterns.append(pattern)
+    return patterns
+
+
 def resolve_selection(model: nn.Module, job_config) -> DMuon:
     """``job_config.dmuon`` with the model's default selection filled in where ``params``
-    is empty, checked on the whole model (a pipeline stage holds only a part of it, so
-    there this runs before the split): every given pattern must match something.
+    is empty (its ``MODEL_SELECTIONS`` entry, else :func:`linear_selection`, logged),
+    checked on the whole model (a pipeline stage holds only a part of it, so there this
+    runs before the split): every given pattern must match something.
     ``job_config.dmuon`` becomes the resolved section, so each part and the optimizer
     read one selection.
 
     Raises:
-        ValueError: A pattern matches nothing, naming the model and its default selection.
+        ValueError: A pattern matches nothing, naming the model and its default selection,
+            or ``params`` is empty and the model's default selects nothing.
     """
     settings = job_config.dmuon
     params = [name for name, _ in model.named_parameters()]
     modules = [name for name, _ in model.named_modules()]
     model_name = f"{job_config.model.name} ({job_config.model.flavor})"
     default = MODEL_SELECTIONS.get(job_config.model.name)
+    own = default is not None
+    if not own:
+        default = ModelSelection(tuple(linear_selection(model)))
     if not settings.params:
-        if default is None or not _matching(default.params, params):
-            raise ValueError(
-                f"[dmuon] params is empty and model {model_name} has no default selection "
-                "that matches its parameters: name the matrices DMuon should take"
+        selected = _matching(default.params, params)
+        if not selected:
+            what = (
+                "has no default selection that matches its parameters"
+                if own
+                else "has no selection of its own (MODEL_SELECTIONS in "
+                "torchtitan_dmuon/titan/config.py) and no nn.Linear weight inside its blocks "
+                "(modules held in an nn.ModuleList or nn.ModuleDict)"
             )
-        settings = dataclasses.replace(settings, params=_matching(default.params, params))
-    if not settings.hook_boundaries and default is not None:
+            raise ValueError(
+                f"[dmuon] params is empty and model {model_name} {what}: name the matrices "
+                "DMuon should take ([dmuon] params, --dmuon.params)"
+            )
+        if not own:
+            count = sum(_matches(name, selected) for name in params)
+            logger.info(
+                "[dmuon] params unset and model %s has no selection of its own "
+                "(MODEL_SELECTIONS): DMuon takes the 2-D weights of the nn.Linear layers "
+                "inside its blocks, %d matrices: %s; AdamW the rest. Set [dmuon] params to "
+                "choose others",
+                model_name,
+                count,
+                selected,
+            )
+        settings = dataclasses.replace(settings, params=selected)
+    if not settings.hook_boundaries and own:
         boundaries = _matching(default.hook_boundaries, modules)
         if boundaries:
             if job_config.dmuon.params:  # the user's own selection keeps the model's boundaries
@@ -135,7 +199,7 @@ def resolve_selection(model: nn.Module, job_config) -> DMuon:
         for pattern in getattr(settings, key):
             if not _matching([pattern], names):
                 hint = ""
-                if default is not None:
+                if own or getattr(default, key):
                     hint = (
                         f"; its default selection (leave [dmuon] {key} empty) is "
                         f"{list(getattr(default, key)) or 'the blocks only'}"
@@ -233,13 +297,73 @@ def _swapped(namespace: dict, **replacements):
         namespace.update(originals)
 
 
+_HOOKED = ("apply_fsdp", "fully_shard", "apply_ddp")
+"""The names :func:`with_dedication` replaces in a parallelize function's module."""
+
+
+def _unwrappable(parallelize_fn: Callable, job_config, what: str) -> ValueError:
+    module = getattr(parallelize_fn, "__module__", None)
+    where = f"{module}.{getattr(parallelize_fn, '__qualname__', type(parallelize_fn).__name__)}"
+    return ValueError(
+        f"[optimizer] name = 'DMuon' cannot train model {job_config.model.name}: its "
+        f"parallelize function {where} {what}. DMuon dedicates the selected matrices right "
+        "before FSDP by replacing, for the call, the names apply_fsdp(model, dp_mesh, ...) "
+        "(TorchTitan's), fully_shard(module, mesh=...) and apply_ddp(model, dp_mesh, ...) in "
+        f"that function's module ({module}): apply data parallelism "
+        "through one of them, imported there (e.g. from torch.distributed.fsdp import "
+        "fully_shard), or choose another [optimizer] name"
+    )
+
+
+def _fully_shard_mesh(mesh, parallelize_fn: Callable, job_config) -> DeviceMesh:
+    """The mesh a parallelize function gave ``fully_shard``, which DMuon dedicates over:
+    1-D (FSDP) or TorchTitan's 2-D ``("dp_replicate", "fsdp")`` (HSDP)."""
+    if mesh is None:
+        raise _unwrappable(
+            parallelize_fn,
+            job_config,
+            "calls fully_shard without mesh=, so DMuon does not know the data-parallel mesh "
+            "(pass mesh=parallel_dims.get_mesh('fsdp'), or ['dp_replicate', 'fsdp'] for HSDP)",
+        )
+    if mesh.ndim == 1 or (
+        mesh.ndim == 2 and set(mesh.mesh_dim_names or ()) == {"dp_replicate", "fsdp"}
+    ):
+        return mesh
+    raise _unwrappable(
+        parallelize_fn,
+        job_config,
+        f"calls fully_shard with a mesh of dims {mesh.mesh_dim_names}, where DMuon needs a "
+        "1-D data-parallel mesh or TorchTitan's ('dp_replicate', 'fsdp') (HSDP)",
+    )
+
+
 def with_dedication(parallelize_fn: Callable) -> Callable:
-    """Wrap a TorchTitan parallelize function so that DMuon dedicates right before FSDP."""
+    """Wrap a parallelize function so that DMuon dedicates right before FSDP.
+
+    The function's module must name what applies data parallelism: ``apply_fsdp(model,
+    dp_mesh, ...)`` (TorchTitan's; its expert mesh too), ``fully_shard(module, mesh=...)``
+    called by the function itself (DMuon dedicates the whole model part at the first
+    call), or ``apply_ddp(model, dp_mesh, ...)`` (replaced by DMuon's DDP-style sync).
+    With data parallelism on and none of them there, or none of them called, the wrapped
+    function raises a ValueError naming the function and what to change, on every rank
+    alike, before any collective (checked before the call, and right after it: FSDP2's
+    ``fully_shard`` communicates nothing).
+    """
+    target = inspect.unwrap(parallelize_fn)
+    namespace = getattr(target, "__globals__", {})
 
     @functools.wraps(parallelize_fn)
     def parallelize(model: nn.Module, parallel_dims, job_config):
         if job_config.optimizer.name != DMUON:
             return parallelize_fn(model, parallel_dims, job_config)
+        ddp_beside_others = (
+            parallel_dims.dp_replicate_enabled
+            and not parallel_dims.fsdp_enabled
+            and parallel_dims.world_size != parallel_dims.dp_replicate
+        )
+        if parallel_dims.dp_enabled and not ddp_beside_others:
+            if not any(name in namespace for name in _HOOKED):
+                raise _unwrappable(target, job_config, "has none of these names in its module")
         settings = job_config.dmuon
         if not parallel_dims.pp_enabled:  # else resolved on the whole model, before the split
             _check_expert_parallel(model, parallel_dims)
@@ -248,17 +372,28 @@ def with_dedication(parallelize_fn: Callable) -> Callable:
         # norm and output): it is then AdamW alone, on TorchTitan's own data parallelism.
         selects = any(_matches(name, settings.params) for name, _ in model.named_parameters())
         z3 = _reshard_after_forward(settings, parallel_dims, job_config)
-        namespace = parallelize_fn.__globals__
+        part = model
+
+        def dedicate(model_, mesh, expert_mesh=None):
+            if model_ in _SETTINGS:  # by an earlier fully_shard or apply_fsdp of the call
+                return
+            if selects:
+                _dedicate(model_, mesh, settings, z3, expert_mesh)
+            _SETTINGS[model_] = settings
 
         def apply_fsdp(model_, dp_mesh, *args, **kwargs):
-            if selects:
-                # Expert parallelism: the routed experts (sharded over ep) are dedicated
-                # over efsdp, as FSDP would shard them; the dense matrices over fsdp.
-                edp_mesh = kwargs.get("edp_mesh") if kwargs.get("ep_degree", 1) > 1 else None
-                expert_mesh = edp_mesh["efsdp"] if edp_mesh is not None else None
-                _dedicate(model_, dp_mesh, settings, z3, expert_mesh)
-            _SETTINGS[model_] = settings
+            # Expert parallelism: the routed experts (sharded over ep) are dedicated
+            # over efsdp, as FSDP would shard them; the dense matrices over fsdp.
+            edp_mesh = kwargs.get("edp_mesh") if kwargs.get("ep_degree", 1) > 1 else None
+            dedicate(model_, dp_mesh, edp_mesh["efsdp"] if edp_mesh is not None else None)
             return originals["apply_fsdp"](model_, dp_mesh, *args, **kwargs)
+
+        def fully_shard(module, *args, **kwargs):
+            # Called by the function itself (TorchTitan's apply_fsdp, hooked above, calls
+            # it after dedicating): the whole part is dedicated before its first unit.
+            if part not in _SETTINGS:
+                dedicate(part, _fully_shard_mesh(kwargs.get("mesh"), target, job_config))
+            return originals["fully_shard"](module, *args, **kwargs)
 
         def apply_ddp(model_, dp_mesh, *args, **kwargs):
             if not selects:
@@ -268,26 +403,25 @@ def with_dedication(parallelize_fn: Callable) -> Callable:
             _dedicate(model_, dp_mesh, settings, z3)
 
         titan_dims = parallel_dims
-        ddp_beside_others = (
-            parallel_dims.dp_replicate_enabled
-            and not parallel_dims.fsdp_enabled
-            and parallel_dims.world_size != parallel_dims.dp_replicate
-        )
         if ddp_beside_others:
             # TorchTitan 0.2.2 refuses DDP with TP or PP ("DDP has not supported > 1D
             # parallelism"); DMuon's DDP-style sync runs on the dp_replicate mesh alone, so
             # TorchTitan sees no replication and DMuon dedicates afterwards.
             titan_dims = copy.copy(parallel_dims)
             titan_dims.dp_replicate = 1
-        with _swapped(namespace, apply_fsdp=apply_fsdp, apply_ddp=apply_ddp) as originals:
+        hooks = dict(apply_fsdp=apply_fsdp, fully_shard=fully_shard, apply_ddp=apply_ddp)
+        with _swapped(namespace, **hooks) as originals:
             model = parallelize_fn(model, titan_dims, job_config)
         if ddp_beside_others and model not in _SETTINGS:
             apply_ddp(model, parallel_dims.get_mesh("dp_replicate"))
         if model not in _SETTINGS:
             if parallel_dims.dp_enabled:
-                raise RuntimeError(
-                    f"{parallelize_fn.__module__}.{parallelize_fn.__name__} applied data "
-                    "parallelism without apply_fsdp or apply_ddp, which DMuon hooks into"
+                raise _unwrappable(
+                    target,
+                    job_config,
+                    "applied data parallelism without calling any of these names (FSDP "
+                    "reached through another module or an attribute, such as "
+                    "torch.distributed.fsdp.fully_shard(...), or none applied)",
                 )
             if parallel_dims.tp_enabled and selects:
                 # One data-parallel rank under TP: the TP ranks own every matrix together

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import importlib
 import json
 import logging
 import sys
@@ -69,8 +70,9 @@ def build_parts(job_config, ngpu: int, rank: int):
     from torchtitan.config import TORCH_DTYPE_MAP
     from torchtitan.distributed import ParallelDims
     from torchtitan.protocols.model_converter import build_model_converters
-    from torchtitan.protocols.train_spec import get_train_spec
     from torchtitan.tools import utils
+
+    from torchtitan_dmuon.titan import train_spec
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=ngpu)
     p = job_config.parallelism
@@ -84,7 +86,9 @@ def build_parts(job_config, ngpu: int, rank: int):
         etp=p.expert_tensor_parallel_degree,
         world_size=ngpu,
     )
-    spec = get_train_spec(job_config.model.name)
+    if job_config.experimental.custom_import:  # a user's spec, as the trainer imports it
+        importlib.import_module(job_config.experimental.custom_import)
+    spec = train_spec(job_config.model.name)
     model_args = spec.model_args[job_config.model.flavor]
     model_args.update_from_config(job_config)
     with torch.device("meta"), utils.set_default_dtype(TORCH_DTYPE_MAP[job_config.training.dtype]):
@@ -185,7 +189,6 @@ def render(report: PlanReport, name: str, floor: dict, tokens: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     args, job_config = parse(sys.argv[1:] if argv is None else argv)
-    from torchtitan_dmuon.titan import register
     from torchtitan_dmuon.titan.cpu import enable_cpu_support
     from torchtitan_dmuon.titan.parallelize import DMUON
     from torchtitan_dmuon.titan.patches import PatchRegistry
@@ -194,7 +197,6 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(
             f"the plan report is of DMuon: [optimizer] name is {job_config.optimizer.name!r}"
         )
-    register()
     patches = PatchRegistry()
     try:
         enable_cpu_support(patches)

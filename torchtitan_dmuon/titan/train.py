@@ -5,8 +5,10 @@
 
 * the ``[dmuon]`` section, when ``--job.custom_config_module torchtitan_dmuon.titan.config``
   is given (``run_train.sh`` adds it) or ``[job] custom_config_module`` names it;
-* train specs for the models of ``titan.MODELS`` whose parallelize and optimizer functions use
-  DMuon when ``[optimizer] name = "DMuon"`` (and are TorchTitan's own otherwise);
+* every train spec it looks up (TorchTitan's models and experiments, and one registered by
+  the module ``[experimental] custom_import`` names) wrapped by ``titan.train_spec``, whose
+  parallelize and optimizer functions use DMuon when ``[optimizer] name = "DMuon"`` (and
+  are the spec's own otherwise);
 * the CPU layer (``titan/cpu.py``) where there is no GPU;
 * every replacement of a torch or TorchTitan name made through one
   :class:`~torchtitan_dmuon.titan.patches.PatchRegistry`, undone when the trainer closes
@@ -31,12 +33,13 @@ import math
 import torch
 import torch.distributed as dist
 import torchtitan.distributed.utils as dist_utils
+import torchtitan.protocols.train_spec as train_spec_module
 from torchtitan.components.checkpoint import LR_SCHEDULER, MODEL, OPTIMIZER
 from torchtitan.train import Trainer, main
 
 from torchtitan_dmuon.engine import comm, get_dedication
 from torchtitan_dmuon.engine.report import plan_report
-from torchtitan_dmuon.titan import register
+from torchtitan_dmuon.titan import train_spec
 from torchtitan_dmuon.titan.checkpoint import (
     DMuonModelWrapper,
     LRSchedulersWrapper,
@@ -61,6 +64,10 @@ class DMuonTrainer(Trainer):
         self.patches = PatchRegistry()
         try:
             enable_cpu_support(self.patches)
+            # TorchTitan's __init__ imports [experimental] custom_import (which may register
+            # a spec) and then looks the model's spec up: any spec registered by then is
+            # DMuon's.
+            self.patches.setattr(train_spec_module, "get_train_spec", train_spec)
             # DCP warns on every ShardedTensor it plans; the split stacks' pieces have no
             # DTensor layout (an owner's piece is not a mesh shard).
             self.patches.filter_warnings(
@@ -241,5 +248,4 @@ class DMuonTrainer(Trainer):
 
 
 if __name__ == "__main__":
-    register()
     main(DMuonTrainer)
