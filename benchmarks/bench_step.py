@@ -472,6 +472,8 @@ def _ns_flops_per_step(mode: str, model, opt) -> int | None:
         return 0
     if mode == "naive_muon":
         return all_matrices
+    if mode.startswith("reference"):  # the matrices this rank owns there
+        return sum(ns_flops(dp.full_shape, 5) for dp in opt._dedicated_params)
     dedication = dmuon.get_dedication(model)
     if dedication is None:
         return None

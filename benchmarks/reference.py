@@ -25,6 +25,12 @@ fp32:
    (gloo has none) as a SUM divided by the group's size, the order of operations of an
    average.
 
+Patches 1 and 4 reach every module of the reference: all are imported first (those that
+it imports lazily, inside functions, too). One setting of its own is changed:
+``DMUON_NS_CUDA_GRAPH=0`` (its default replays Newton-Schulz as a CUDA graph, which CPU
+does not have; off, it runs the same function eagerly, as it does for every shape whose
+capture fails).
+
 The remaining differences are conventions, configured alike by :func:`reference_optimizer`
 (``nesterov`` on, momentum 0.95, 5 steps, ``match_rms_adamw`` on DMuon's side: the
 reference scales every update by ``0.2 sqrt(max(rows, cols))``; AdamW without weight decay
@@ -39,6 +45,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
+import os
+import pkgutil
 import sys
 import types
 from pathlib import Path
@@ -54,6 +63,8 @@ __all__ = [
     "reference_optimizer",
     "reference_status",
 ]
+
+logger = logging.getLogger(__name__)
 
 REFERENCE_COMMIT = "f002f24"
 """The commit of X-Square-Robot/dmuon the patches were written against."""
@@ -239,7 +250,13 @@ def load_reference(path: str | Path) -> types.ModuleType:
         raise ImportError(reason)
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
+    os.environ["DMUON_NS_CUDA_GRAPH"] = "0"
     package = importlib.import_module(_PACKAGE)
+    for module in pkgutil.walk_packages(package.__path__, _PACKAGE + "."):
+        try:
+            importlib.import_module(module.name)
+        except ImportError as e:  # its CUDA kernels' modules need CUDA-only packages
+            logger.debug("reference module %s not imported: %s", module.name, e)
     seen = {
         "torch": (torch, _TorchSeenByReference()),
         "dist": (torch.distributed, _dist_for_reference()),
