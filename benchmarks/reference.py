@@ -179,12 +179,15 @@ def _one_at_a_time(group=None, device=None, async_ops=False):
     yield _Coalesced()
 
 
-def _averaging(collective, output_of):
-    """``collective`` with ``op=ReduceOp.AVG`` run as SUM, then divided by the group's size
-    where ``output_of(args, kwargs)`` says the result is (None: not on this rank)."""
+def _averaging(name: str, output_of):
+    """``torch.distributed.<name>`` with ``op=ReduceOp.AVG`` run as SUM, then divided by the
+    group's size where ``output_of(args, kwargs)`` says the result is (None: not on this
+    rank). The collective is looked up at each call, so wrappers installed later (the
+    benchmark's byte counter) see it."""
     dist = torch.distributed
 
     def run(*args, op=dist.ReduceOp.SUM, group=None, async_op=False, **kwargs):
+        collective = getattr(dist, name)
         if op != dist.ReduceOp.AVG:
             return collective(*args, op=op, group=group, async_op=async_op, **kwargs)
         collective(*args, op=dist.ReduceOp.SUM, group=group, async_op=False, **kwargs)
@@ -218,9 +221,9 @@ def _dist_for_reference() -> types.ModuleType:
 
     seen = _Dist("torch.distributed")
     seen._coalescing_manager = _one_at_a_time
-    seen.reduce = _averaging(dist.reduce, _reduce_output)
-    seen.all_reduce = _averaging(dist.all_reduce, _first_output("tensor"))
-    seen.reduce_scatter_tensor = _averaging(dist.reduce_scatter_tensor, _first_output("output"))
+    seen.reduce = _averaging("reduce", _reduce_output)
+    seen.all_reduce = _averaging("all_reduce", _first_output("tensor"))
+    seen.reduce_scatter_tensor = _averaging("reduce_scatter_tensor", _first_output("output"))
     return seen
 
 
