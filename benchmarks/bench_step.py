@@ -28,6 +28,16 @@ it (batched, with its backend: the profiled range), the one thing DMuon adds tha
 can hide on one device; its goals are the gap above that floor. It prints two tables and
 writes ``results.json`` and ``step_time.png`` (step time per mode against its floor, and
 the breakdown per rank) into ``--out``.
+
+``--side-by-side --reference-path DIR`` runs instead fused AdamW and, per layout (Z3, Z2,
+HSDP 2 x N/2), DMuon beside the reference design (X-Square-Robot/dmuon, imported from
+``DIR``, run on CPU by the patches of ``benchmarks/reference.py``) with the same math:
+fp32 Newton-Schulz with the quintic coefficients, Nesterov, updates scaled by
+``0.2 sqrt(max(rows, cols))`` at the AdamW learning rate, AdamW without decay for the
+rest. After the timed rounds every parameter of each pair is compared (the largest
+difference must stay below 1e-4), and a third table gives each side's optimizer step,
+forward+backward and step, and DMuon's over the reference's. Without the reference it
+says why and runs nothing.
 """
 
 from __future__ import annotations
@@ -60,6 +70,13 @@ from bench_model import (  # noqa: E402
 )
 from naive_muon import NaiveFSDPMuon  # noqa: E402
 from peers import PEERS, peer_status  # noqa: E402
+from reference import (  # noqa: E402
+    REFERENCE_COMMIT,
+    dedicate_reference,
+    load_reference,
+    reference_optimizer,
+    reference_status,
+)
 
 import torchtitan_dmuon as dmuon  # noqa: E402
 from torchtitan_dmuon.engine.comm import CollectiveCounter  # noqa: E402
@@ -82,6 +99,15 @@ BASE_MODES = [
 ]
 HSDP_MODES = ["hsdp_sync", "hsdp_async"]
 MUON_LR, ADAMW_LR, MOMENTUM = 0.02, 3e-3, 0.95
+ADAMW_BETAS = (0.9, 0.95)
+# The side by side with the reference design (--side-by-side): per layout, DMuon and the
+# reference with the same math (benchmarks/reference.py): fp32 Newton-Schulz, the quintic
+# coefficients, Nesterov, 0.2 sqrt(max(rows, cols)) scaling at the AdamW learning rate.
+SIDE_LAYOUTS = ("z3", "z2", "hsdp")
+SIDE_PAIRS = {layout: (f"dmuon_{layout}_as_ref", f"reference_{layout}") for layout in SIDE_LAYOUTS}
+SIDE_NS_COEFFICIENTS = "quintic"
+SIDE_ADJUST_LR_FN = "match_rms_adamw"
+SIDE_TOLERANCE = 1e-4  # the largest |difference| of a trained parameter (values ~0.1)
 QK_CLIP_THRESHOLD = 100.0  # Kimi K2's
 
 # Profiler ranges of the breakdown: (phase, range name). The reduce wait ends backward and
@@ -107,11 +133,63 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def _build(mode: str, args, world: int, device: torch.device):
+def _side_layout(mode: str) -> str | None:
+    """The layout of a side-by-side mode (``z3``, ``z2``, ``hsdp``), None for the others."""
+    for layout, pair in SIDE_PAIRS.items():
+        if mode in pair:
+            return layout
+    return None
+
+
+def _build_side(mode: str, layout: str, model, world: int, device, reference):
+    """A side-by-side mode: DMuon or the reference, dedicated, sharded and configured alike."""
+    kwargs = {"reshard_after_forward": layout != "z2"}
+    if layout == "hsdp":
+        mesh = init_device_mesh(device.type, (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        dedicate_mesh, kwargs["replicate_mesh"] = mesh["shard"], mesh["replicate"]
+    else:
+        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
+        dedicate_mesh = mesh
+    is_reference = mode.startswith("reference")
+    if is_reference:
+        dedicate_reference(reference, model, dedicate_mesh, matrix_predicate, **kwargs)
+    else:
+        dmuon.dedicate_params(model, dedicate_mesh, matrix_predicate, **kwargs)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if is_reference:
+        return model, reference_optimizer(
+            reference,
+            model,
+            lr=ADAMW_LR,
+            momentum=MOMENTUM,
+            adamw_lr=ADAMW_LR,
+            adamw_betas=ADAMW_BETAS,
+            ns_coefficients=SIDE_NS_COEFFICIENTS,
+        )
+    return model, dmuon.Muon(
+        model,
+        lr=ADAMW_LR,
+        momentum=MOMENTUM,
+        nesterov=True,
+        ns_dtype=torch.float32,
+        ns_backend="torch",
+        ns_coefficients=SIDE_NS_COEFFICIENTS,
+        adjust_lr_fn=SIDE_ADJUST_LR_FN,
+        adamw_lr=ADAMW_LR,
+        adamw_betas=ADAMW_BETAS,
+    )
+
+
+def _build(mode: str, args, world: int, device: torch.device, reference=None):
     """Model (sharded as the mode wants) and its optimizer."""
     torch.manual_seed(0)
     with torch.device(device):
         model = BenchTransformer(args.vocab, args.dim, args.layers, args.heads)
+    layout = _side_layout(mode)
+    if layout is not None:
+        return _build_side(mode, layout, model, world, device, reference)
     if mode.startswith("hsdp"):
         mesh = init_device_mesh(device.type, (2, world // 2), mesh_dim_names=("replicate", "shard"))
         dmuon.dedicate_params(
@@ -131,7 +209,7 @@ def _build(mode: str, args, world: int, device: torch.device):
         # "adamw_fused": the fused kernel, TorchTitan's default and DMuon's AdamW's (the
         # baseline); "adamw": torch's default kernels (a for-loop on CPU).
         opt = torch.optim.AdamW(
-            model.parameters(), lr=ADAMW_LR, betas=(0.9, 0.95), fused=mode == "adamw_fused" or None
+            model.parameters(), lr=ADAMW_LR, betas=ADAMW_BETAS, fused=mode == "adamw_fused" or None
         )
     elif mode == "naive_muon":
         opt = NaiveFSDPMuon(
@@ -265,7 +343,12 @@ def worker(rank: int, world: int, args, store: str, result_path: str) -> None:
         args.ns_dtype = str(choice.dtype).removeprefix("torch.")
         args.ns_dtype_reason = choice.dtype_reason
     modes = list(args.modes)
-    runs = {m: _build(m, args, world, device) for m in modes}
+    reference = (
+        load_reference(args.reference_path)
+        if any(m.startswith("reference") for m in modes)
+        else None
+    )
+    runs = {m: _build(m, args, world, device, reference) for m in modes}
     step = {m: 0 for m in modes}
     times = {m: {"step": [], "fwd_bwd": [], "optimizer": []} for m in modes}
     collectives = {}
@@ -297,6 +380,12 @@ def worker(rank: int, world: int, args, store: str, result_path: str) -> None:
             for _ in range(args.steps_per_round):
                 train_step(mode, record=round_index > 0)
 
+    # Same math: each side-by-side pair's parameters after the same steps on the same data.
+    side_diff = {
+        layout: _max_difference(runs[ours][0], runs[theirs][0], reference)
+        for layout, (ours, theirs) in SIDE_PAIRS.items()
+        if ours in runs and theirs in runs
+    }
     memory, ns_flops_rank, breakdown, final_loss = {}, {}, {}, {}
     for mode in modes:
         model, opt = runs[mode]
@@ -333,6 +422,7 @@ def worker(rank: int, world: int, args, store: str, result_path: str) -> None:
         "breakdown": breakdown,
         "final_loss": final_loss,
         "compute_fwd_bwd": statistics.median(compute[2:]),
+        "side_diff": side_diff,
         "ns_dtype": args.ns_dtype,
         "ns_dtype_reason": getattr(args, "ns_dtype_reason", "named"),
     }
@@ -347,6 +437,32 @@ def worker(rank: int, world: int, args, store: str, result_path: str) -> None:
     dist.destroy_process_group()
 
 
+def _full_values(model, reference) -> dict[str, torch.Tensor]:
+    """Every parameter's full value by name, on every rank (collective): through DMuon's
+    ``get_full_param`` or, for a model the reference dedicated, its own state dict."""
+    if reference is not None and dmuon.get_dedication(model) is None:
+        return reference.get_model_state_dict(model, cpu_offload=False, rank0_only=False)
+    dedication = dmuon.get_dedication(model)
+    dedicated = {d.name for unit in dedication.units for d in unit.params}
+    values = {}
+    for name, p in model.named_parameters():
+        if name in dedicated:
+            values[name] = dmuon.get_full_param(model, name)
+        else:
+            values[name] = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+    return values
+
+
+def _max_difference(ours, theirs, reference) -> dict:
+    """The largest absolute difference between two trained models' parameters, and where."""
+    a, b = _full_values(ours, None), _full_values(theirs, reference)
+    if set(a) != set(b):
+        raise RuntimeError(f"parameter names differ: {sorted(set(a) ^ set(b))}")
+    diffs = {name: (a[name].float() - b[name].float()).abs().max().item() for name in a}
+    worst = max(diffs, key=diffs.get)
+    return {"max_abs": diffs[worst], "where": worst, "params": len(diffs)}
+
+
 def _ns_flops_per_step(mode: str, model, opt) -> int | None:
     """Newton-Schulz FLOPs this rank runs per step (None: not instrumented, for peers)."""
     all_matrices = sum(
@@ -356,6 +472,8 @@ def _ns_flops_per_step(mode: str, model, opt) -> int | None:
         return 0
     if mode == "naive_muon":
         return all_matrices
+    if mode.startswith("reference"):  # the matrices this rank owns there
+        return sum(ns_flops(dp.full_shape, 5) for dp in opt._dedicated_params)
     dedication = dmuon.get_dedication(model)
     if dedication is None:
         return None
@@ -399,6 +517,21 @@ def summarize(results: list[dict], modes: list[str]) -> dict:
             rows[mode]["step_breakdown"] = _summarize_breakdown(
                 [r["breakdown"][mode] for r in results]
             )
+    side = {}
+    for layout, (ours, theirs) in SIDE_PAIRS.items():
+        if ours in rows and theirs in rows:
+            diffs = [r["side_diff"][layout] for r in results]
+            worst = max(diffs, key=lambda d: d["max_abs"])
+            side[layout] = {
+                "dmuon": ours,
+                "reference": theirs,
+                "optimizer_ratio": rows[ours]["optimizer_ms"] / rows[theirs]["optimizer_ms"],
+                "fwd_bwd_ratio": rows[ours]["fwd_bwd_ms"] / rows[theirs]["fwd_bwd_ms"],
+                "step_ratio": rows[ours]["step_ms"] / rows[theirs]["step_ms"],
+                "max_abs_param_difference": worst["max_abs"],
+                "where": worst["where"],
+                "same_math": worst["max_abs"] <= SIDE_TOLERANCE,
+            }
     baseline = rows[BASELINE]["step_ms"]
     for row in rows.values():
         row["ratio_to_adamw_fused"] = row["step_ms"] / baseline
@@ -412,6 +545,7 @@ def summarize(results: list[dict], modes: list[str]) -> dict:
             row["ratio_to_floor"] = row["step_ms"] / row["floor_ms"]
     return {
         "rows": rows,
+        "side_by_side": side,
         "compute_fwd_bwd_ms": 1e3 * compute,
         "ns_dtype": results[0]["ns_dtype"],
         "ns_dtype_reason": results[0]["ns_dtype_reason"],
@@ -539,11 +673,41 @@ def print_table(summary: dict, skipped: dict[str, str], checks) -> None:
         f"{summary['ns_dtype']} ({summary['ns_dtype_reason']})"
     )
     print_breakdown(rows)
+    print_side_by_side(summary)
     for mode, reason in skipped.items():
         print(f"not run: {mode}: {reason}")
     for name, ok, detail in checks:
         verdict = "n/a " if ok is None else ("PASS" if ok else "MISS")
         print(f"[{verdict}] {name}: {detail}")
+
+
+def print_side_by_side(summary: dict) -> None:
+    """One line per layout: DMuon's and the reference's times, their ratio, and whether
+    they trained the same parameters."""
+    side = summary["side_by_side"]
+    if not side:
+        return
+    rows = summary["rows"]
+    print(
+        f"\nside by side with the reference design (X-Square-Robot/dmuon {REFERENCE_COMMIT}), "
+        "same math (fp32 NS); ms, slowest rank, median of the interleaved rounds; max |dp|: "
+        "largest difference of a trained parameter"
+    )
+    header = (
+        f"{'layout':<7} {'opt DMuon':>9} {'opt ref':>8} {'x opt':>6} {'f+b DMuon':>9} "
+        f"{'f+b ref':>8} {'step DMuon':>10} {'step ref':>9} {'x step':>7} {'max |dp|':>9}"
+    )
+    print(header)
+    print("-" * len(header))
+    for layout, s in side.items():
+        ours, theirs = rows[s["dmuon"]], rows[s["reference"]]
+        verdict = "" if s["same_math"] else f" DIFFER ({s['where']})"
+        print(
+            f"{layout:<7} {ours['optimizer_ms']:9.1f} {theirs['optimizer_ms']:8.1f} "
+            f"{s['optimizer_ratio']:6.3f} {ours['fwd_bwd_ms']:9.1f} {theirs['fwd_bwd_ms']:8.1f} "
+            f"{ours['step_ms']:10.1f} {theirs['step_ms']:9.1f} {s['step_ratio']:7.3f} "
+            f"{s['max_abs_param_difference']:9.2e}{verdict}"
+        )
 
 
 def print_breakdown(rows: dict) -> None:
@@ -644,11 +808,30 @@ def main() -> None:
         "--ns-dtype", default="auto", help="auto (Muon's default), bfloat16, float32, ..."
     )
     parser.add_argument("--modes", nargs="*", default=None)
+    parser.add_argument(
+        "--reference-path",
+        default=None,
+        help="a checkout of X-Square-Robot/dmuon (the directory holding dmuon/), imported "
+        "from there for its modes (reference_*)",
+    )
+    parser.add_argument(
+        "--side-by-side",
+        action="store_true",
+        help="run only fused AdamW and, per layout (Z3, Z2, HSDP), DMuon beside the "
+        "reference design with the same math (needs --reference-path)",
+    )
     parser.add_argument("--out", type=Path, default=Path("outputs/bench_step"))
     args = parser.parse_args()
     world = args.nproc
     skipped = {}
-    if args.modes is None:
+    missing = reference_status(args.reference_path)
+    if args.side_by_side:
+        if missing is not None:
+            print(f"not run: the side by side: {missing}")
+            return
+        layouts = [x for x in SIDE_LAYOUTS if x != "hsdp" or (world >= 4 and world % 2 == 0)]
+        args.modes = [BASELINE] + [m for layout in layouts for m in SIDE_PAIRS[layout]]
+    elif args.modes is None:
         args.modes = list(BASE_MODES)
         if world >= 4 and world % 2 == 0:
             args.modes += HSDP_MODES
@@ -660,6 +843,10 @@ def main() -> None:
                 args.modes.append(peer)
             else:
                 skipped[peer] = reason
+    if missing is not None:
+        for mode in [m for m in args.modes if m.startswith("reference")]:
+            args.modes.remove(mode)
+            skipped[mode] = missing
     model = BenchTransformer(args.vocab, args.dim, args.layers, args.heads)
     ratio = ns_to_compute_ratio(model, args.batch * args.seq)
     params = sum(p.numel() for p in model.parameters())
