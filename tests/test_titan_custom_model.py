@@ -196,3 +196,23 @@ def test_plan_report_reads_the_custom_import(tmp_path):
     line, report = plan_report(8, tmp_path, *CUSTOM, "--model.name", custom_model.NAME)
     assert "of 6 matrices" in line, line
     assert sum(r["owned"] for r in report["parts"][0]["ranks"]) == 6
+
+
+def test_fully_shard_without_a_data_parallel_mesh_is_refused_by_name():
+    """A parallelize function that calls fully_shard without ``mesh=``, or over a mesh DMuon
+    cannot dedicate over (dims other than TorchTitan's data-parallel ones), is refused
+    naming the function and the mesh; a 1-D mesh and TorchTitan's HSDP mesh are taken."""
+    from torchtitan_dmuon.titan.parallelize import _fully_shard_mesh
+
+    cfg = _job_config("--model.name", custom_model.NAME)
+    with pytest.raises(ValueError, match="calls fully_shard without mesh=") as error:
+        _fully_shard_mesh(None, _shards_elsewhere, cfg)
+    assert f"{__name__}._shards_elsewhere" in str(error.value)
+    other = types.SimpleNamespace(ndim=2, mesh_dim_names=("dp_shard", "tp"))
+    with pytest.raises(ValueError, match=r"mesh of dims \('dp_shard', 'tp'\)"):
+        _fully_shard_mesh(other, _shards_elsewhere, cfg)
+    for mesh in (
+        types.SimpleNamespace(ndim=1, mesh_dim_names=("fsdp",)),
+        types.SimpleNamespace(ndim=2, mesh_dim_names=("dp_replicate", "fsdp")),
+    ):
+        assert _fully_shard_mesh(mesh, _shards_elsewhere, cfg) is mesh
