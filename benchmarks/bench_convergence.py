@@ -1,25 +1,32 @@
-"""Convergence of DMuon against FSDP2 + fused AdamW, on held-out loss, through TorchTitan.
+"""Convergence of DMuon against FSDP2 + fused AdamW at two model sizes: the learning rate
+and weight decay sweep behind DMuon's defaults, on held-out loss, through TorchTitan.
 
-Every run is ``./run_train.sh`` (TorchTitan 0.2.2's trainer as users run it, on the
-default ``train_configs/debug_cpu.toml``: debug llama3, FSDP2 Z3, 2 processes) launched as
-a subprocess; its rank-0 log is parsed. The runs:
+Every run is ``./run_train.sh`` (TorchTitan 0.2.2's trainer as users run it, on
+``train_configs/debug_cpu.toml``: FSDP2 Z3, 2 processes, 4 x 128 tokens per rank and step,
+linear warmup over 10 steps then linear decay to 0) launched as a subprocess; its rank-0
+log is parsed. ``--size`` picks the model:
+
+* ``debug``: llama3 ``debugmodel`` (dim 256, 6 layers; 6.2M parameters);
+* ``large``: llama3 at dim 512, 8 layers (29.4M, 4.8x; ``benchmarks/convergence_model.py``).
+
+The groups of runs (``--runs``):
 
 * ``check``: AdamW at lr 0 (the model never changes) for 10 steps, evaluated at steps 1,
-  5 and 10; the three held-out losses must be equal, which shows that every evaluation
-  sees the same batches.
-* ``sweep``: AdamW (``--optimizer.name AdamW``, TorchTitan's default fused implementation)
-  at three ``--optimizer.lr``, and DMuon at three ``--dmuon.lr`` (everything else as the
-  config, its AdamW lr 3e-3 for the non-matrix parameters included), seed 42.
-* ``seed2``: the best sweep run of each optimizer (lowest held-out loss) again with a
-  second ``--debug.seed``.
-* ``rms``: DMuon with ``--dmuon.adjust_lr_fn match_rms_adamw --dmuon.lr <best AdamW lr>``.
-* ``variants``: at the best DMuon lr and seed 42, NorMuon (``--dmuon.variant normuon``)
-  and QK-clip (``--dmuon.qk_clip_threshold``, ``--qk-clip-threshold``; the largest logit
-  and the clipped heads of each logged step go into the run's record).
+  5 and 10; the three held-out losses must be equal: every evaluation sees the same batches.
+* ``sweep``: AdamW (``--optimizer.name AdamW``, TorchTitan's fused implementation) at
+  ``--adamw-lrs`` x ``--adamw-wds``; DMuon (``adjust_lr_fn = "original"``) at
+  ``--muon-lrs`` x ``--muon-wds`` (``--dmuon.lr``, ``--dmuon.weight_decay``: the Muon
+  matrices; its AdamW part keeps the config's lr 3e-3 and weight decay 0). Seed 42.
+* ``dropin``: DMuon with ``adjust_lr_fn = "match_rms_adamw"`` and the best AdamW run's lr
+  and weight decay for every parameter: "keep your AdamW settings".
+* ``normuon``: NorMuon (``--dmuon.variant normuon``) at the best DMuon run's settings.
+* ``seed2``: the best AdamW, the best DMuon and the drop-in again with a second seed.
+* ``qkclip``: QK-clip (``--dmuon.qk_clip_threshold``) at the best DMuon run's settings (not
+  in ``all``).
 
 Held-out loss: ``scripts/setup.sh`` builds ``assets/heldout/`` (5% of the documents,
-never in the training corpus; see ``torchtitan_dmuon/titan/assets.py``), and TorchTitan's
-own ``[validation]`` evaluates on it every ``--eval-every`` steps (and at step 1). TorchTitan
+never in the training corpus; ``torchtitan_dmuon/titan/assets.py``), and TorchTitan's own
+``[validation]`` evaluates on it every ``--eval-every`` steps (and at step 1). TorchTitan
 does not restart its validation data by itself: each evaluation goes on where the last
 one stopped (a non-infinite dataset, ``--validation.steps -1``, is empty the second time,
 and its two ranks hold different numbers of batches, so it would hang). With
@@ -27,17 +34,24 @@ and its two ranks hold different numbers of batches, so it would hang). With
 for each evaluation from a copy of the untouched dataset, so every evaluation reads the
 same first ``--val-batches`` batches of each rank's share; ``check`` verifies it.
 
-Outputs under ``--out``: ``runs/<name>.json`` per run (a run whose file exists is skipped,
-so the benchmark resumes after a crash), ``logs/<name>.log``, ``convergence.json`` (all
-runs and the summary), ``convergence.png`` and ``table.md`` (also printed).
+Wall time: a run's step time is the median over its logged intervals (5 steps each, an
+evaluation's time taken out), so a few minutes of other load on the machine move it
+little; "wall s to reach" is steps to reach x that step time. Each record keeps
+the machine it ran on (a sweep can be run in parts, on different days).
+
+Runs are cached by their arguments: ``<out>/<size>/runs/<name>.json`` holds a finished
+run with the exact TorchTitan overrides it ran with; a run whose record exists is skipped,
+and a record made with other overrides (other ``--steps``, say) stops the benchmark
+rather than mixing them. Logs and TorchTitan's dump folders go under ``--work``. The
+report (``table.md``, ``convergence.json``, ``convergence.png``) goes to ``<out>/<size>/``.
 
 Usage::
 
-    .venv/bin/python benchmarks/bench_convergence.py                  # check, sweep, seed2
-    .venv/bin/python benchmarks/bench_convergence.py --runs all       # and rms, variants
-    .venv/bin/python benchmarks/bench_convergence.py --runs variants  # NorMuon, QK-clip
-    .venv/bin/python benchmarks/bench_convergence.py --runs adamw_lr0.003_s42 --steps 20
-    .venv/bin/python benchmarks/bench_convergence.py --report-only
+    .venv/bin/python benchmarks/bench_convergence.py --size debug            # every group
+    .venv/bin/python benchmarks/bench_convergence.py --size large --runs sweep
+    .venv/bin/python benchmarks/bench_convergence.py --size debug --list
+    .venv/bin/python benchmarks/bench_convergence.py --size debug --report-only
+    .venv/bin/python benchmarks/bench_convergence.py --quick --out /tmp/q --work /tmp/q
 """
 
 from __future__ import annotations
@@ -52,6 +66,7 @@ import os
 import pathlib
 import platform
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -67,8 +82,10 @@ NPROC = 2
 LOCAL_BATCH_SIZE, SEQ_LEN = 4, 128
 LOG_FREQ = 5  # [metrics] log_freq of the config: the training loss is logged every 5 steps
 SEED, SEED2 = 42, 1
-GROUPS = ("check", "sweep", "seed2", "rms", "variants")
-DEPENDENT = ("seed2", "rms", "variants")
+DEFAULT_GROUPS = ("check", "sweep", "dropin", "normuon", "seed2")
+GROUPS = (*DEFAULT_GROUPS, "qkclip")
+DEPENDENT = ("dropin", "normuon", "seed2", "qkclip")
+"""The groups chosen from finished runs, in the order they are run (each may need the last)."""
 _TIME = r"\[rank0\]:\[titan\] (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) - root - \w+ - "
 _NUM = r"(-?[\d.]+|nan|inf|-inf)"
 STEP_RE = re.compile(
@@ -77,6 +94,36 @@ STEP_RE = re.compile(
 VAL_RE = re.compile(_TIME + r"validate step:\s*(\d+)\s+loss:\s*" + _NUM)
 START_RE = re.compile(_TIME + r"Training starts at step")
 QK_RE = re.compile(r"qk max logit " + _NUM + r" clipped heads (\d+)")
+NS_DTYPE_RE = re.compile(r"ns_dtype='auto' chose torch\.(\w+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSize:
+    """A model the sweep runs at.
+
+    Attributes:
+        flags: The TorchTitan overrides that select it.
+        description: What it is, for the report.
+    """
+
+    flags: tuple[str, ...]
+    description: str
+
+
+SIZES = {
+    "debug": ModelSize((), "llama3 debugmodel (dim 256, 6 layers, 6.2M parameters)"),
+    "large": ModelSize(
+        (
+            "--experimental.custom_import",
+            "benchmarks.convergence_model",
+            "--model.name",
+            "llama3_bench",
+            "--model.flavor",
+            "dim512_l8",
+        ),
+        "llama3 at dim 512, 8 layers (29.4M parameters, 4.8x debugmodel)",
+    ),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,39 +131,44 @@ class RunSpec:
     """One training run.
 
     Attributes:
-        name: File stem of its outputs.
-        optimizer: ``"AdamW"`` or ``"DMuon"``.
-        lr: The swept learning rate: ``--optimizer.lr`` for AdamW, ``--dmuon.lr`` for DMuon.
-        seed: ``--debug.seed``.
+        kind: What trains: ``adamw``, ``dmuon`` (``adjust_lr_fn = "original"``), ``dropin``
+            (``match_rms_adamw`` with AdamW's settings), or a variant of one of the DMuon
+            kinds (``normuon``, ``normuon_dropin``, ``qkclip10``, ...).
         group: One of ``GROUPS``.
-        steps: ``--training.steps``.
-        eval_every: ``--validation.freq``.
-        extra: Further TorchTitan overrides.
+        seed: ``--debug.seed``.
+        lr: The swept learning rate: AdamW's, or the Muon matrices'.
+        weight_decay: The swept weight decay, of the same parameters as ``lr``.
+        flags: The optimizer's TorchTitan overrides.
     """
 
-    name: str
-    optimizer: str
-    lr: float
-    seed: int
+    kind: str
     group: str
-    steps: int
-    eval_every: int
-    extra: tuple[str, ...] = ()
+    seed: int
+    lr: float
+    weight_decay: float
+    flags: tuple[str, ...]
 
-    def overrides(self, val_batches: int) -> list[str]:
+    @property
+    def name(self) -> str:
+        """File stem of the run's outputs, e.g. ``dmuon_lr0.02_wd0.01_s42``."""
+        return f"{self.kind}_lr{_fmt(self.lr)}_wd{_fmt(self.weight_decay)}_s{self.seed}"
+
+    @property
+    def optimizer(self) -> str:
+        """``"AdamW"`` or ``"DMuon"``."""
+        return "AdamW" if self.kind == "adamw" else "DMuon"
+
+    def overrides(self, settings: Settings) -> list[str]:
         """The TorchTitan overrides of this run.
 
         Args:
-            val_batches: ``--validation.steps``: batches per rank at each evaluation.
+            settings: What every run of the benchmark shares.
 
         Returns:
-            The arguments for ``./run_train.sh``.
+            The arguments for ``./run_train.sh`` after the config file.
         """
-        args = ["--training.steps", str(self.steps), "--debug.seed", str(self.seed)]
-        if self.optimizer == "AdamW":
-            args += ["--optimizer.name", "AdamW", "--optimizer.lr", _fmt(self.lr)]
-        else:
-            args += ["--dmuon.lr", _fmt(self.lr)]
+        args = ["--training.steps", str(settings.steps), "--debug.seed", str(self.seed)]
+        args += [*SIZES[settings.size].flags, *self.flags]
         args += [
             "--validation.enable",
             "--validation.dataset",
@@ -128,127 +180,166 @@ class RunSpec:
             "--validation.seq_len",
             str(SEQ_LEN),
             "--validation.freq",
-            str(self.eval_every),
+            str(settings.eval_every),
             "--validation.steps",
-            str(val_batches),
+            str(settings.val_batches),
             "--validation.dataloader.num_workers",
             "1",
         ]
-        return args + list(self.extra)
+        return args + list(settings.extra)
 
 
-def _fmt(lr: float) -> str:
-    """A learning rate as it appears in run names and flags (``0.003``, ``0.02``)."""
-    text = f"{lr:g}"
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What every run of one benchmark command shares.
+
+    Attributes:
+        size: A key of ``SIZES``.
+        steps: ``--training.steps``.
+        eval_every: ``--validation.freq``.
+        val_batches: ``--validation.steps``: batches per rank at each evaluation.
+        extra: Further TorchTitan overrides, last on the line.
+    """
+
+    size: str
+    steps: int
+    eval_every: int
+    val_batches: int
+    extra: tuple[str, ...] = ()
+
+
+def _fmt(value: float) -> str:
+    """A number as it appears in run names and flags (``0.003``, ``0.02``, ``1e-4``)."""
+    text = f"{value:g}"
     return re.sub(r"e-0(\d)", r"e-\1", text)
 
 
+def adamw_run(lr: float, weight_decay: float, seed: int, group: str) -> RunSpec:
+    """TorchTitan's fused AdamW for every parameter."""
+    flags = ("--optimizer.name", "AdamW", "--optimizer.lr", _fmt(lr))
+    flags += ("--optimizer.weight_decay", _fmt(weight_decay))
+    return RunSpec("adamw", group, seed, lr, weight_decay, flags)
+
+
+def dmuon_run(lr: float, weight_decay: float, seed: int, group: str) -> RunSpec:
+    """DMuon, ``adjust_lr_fn = "original"``: the Muon matrices at ``lr`` and
+    ``weight_decay``, the rest on the config's AdamW (lr 3e-3, weight decay 0)."""
+    flags = ("--dmuon.lr", _fmt(lr), "--dmuon.weight_decay", _fmt(weight_decay))
+    return RunSpec("dmuon", group, seed, lr, weight_decay, flags)
+
+
+def dropin_run(lr: float, weight_decay: float, seed: int, group: str) -> RunSpec:
+    """DMuon as a drop-in for an AdamW run: ``match_rms_adamw``, and AdamW's lr and weight
+    decay for every parameter, the Muon matrices included."""
+    value = (_fmt(lr), _fmt(weight_decay))
+    flags = ("--optimizer.lr", value[0], "--optimizer.weight_decay", value[1])
+    flags += ("--dmuon.adjust_lr_fn", "match_rms_adamw")
+    flags += ("--dmuon.lr", value[0], "--dmuon.weight_decay", value[1])
+    return RunSpec("dropin", group, seed, lr, weight_decay, flags)
+
+
+def variant_run(base: RunSpec, tag: str, flags: tuple[str, ...], group: str) -> RunSpec:
+    """``base`` (a DMuon run) with ``flags`` added, named ``<tag>`` or ``<tag>_dropin``."""
+    kind = tag if base.kind == "dmuon" else f"{tag}_{base.kind}"
+    return dataclasses.replace(base, kind=kind, group=group, flags=base.flags + flags)
+
+
+def reseeded(base: RunSpec, seed: int) -> RunSpec:
+    """``base`` with another seed, in group ``seed2``."""
+    return dataclasses.replace(base, seed=seed, group="seed2")
+
+
 def sweep_specs(args: argparse.Namespace) -> list[RunSpec]:
-    """The six sweep runs (seed ``SEED``), AdamW first."""
-    extra = tuple(args.extra)
-    lrs = (("AdamW", "adamw", args.adamw_lrs), ("DMuon", "dmuon", args.muon_lrs))
-    specs = [
-        RunSpec(
-            f"{prefix}_lr{_fmt(lr)}_s{SEED}",
-            optimizer,
-            lr,
-            SEED,
-            "sweep",
-            args.steps,
-            args.eval_every,
-            extra,
-        )
-        for optimizer, prefix, values in lrs
-        for lr in values
-    ]
+    """The sweep (seed ``SEED``), AdamW first, each lr with weight decay 0 first."""
+    specs = [adamw_run(lr, wd, SEED, "sweep") for lr in args.adamw_lrs for wd in args.adamw_wds]
+    specs += [dmuon_run(lr, wd, SEED, "sweep") for lr in args.muon_lrs for wd in args.muon_wds]
     return specs
 
 
-def best_run(results: list[dict], optimizer: str, group: str = "sweep") -> dict | None:
-    """The run of ``optimizer`` in ``group`` with the lowest held-out loss, or None."""
-    runs = [r for r in results if r["optimizer"] == optimizer and r["group"] == group]
-    return min(runs, key=lambda r: r["best_val_loss"], default=None)
+def quick_specs() -> list[RunSpec]:
+    """``--quick``: one AdamW run and one DMuon run, both with weight decay."""
+    return [adamw_run(3e-3, 0.1, SEED, "sweep"), dmuon_run(0.02, 0.01, SEED, "sweep")]
+
+
+def check_spec() -> RunSpec:
+    """AdamW at lr 0, evaluated at 1, 5 and 10: the held-out losses must be equal."""
+    return adamw_run(0.0, 0.0, SEED, "check")
+
+
+def _final(record: dict) -> float:
+    loss = record["final_val_loss"]
+    return loss if math.isfinite(loss) else math.inf
+
+
+def best_run(results: list[dict], kinds: tuple[str, ...], groups: tuple[str, ...]) -> dict | None:
+    """The run of ``kinds`` in ``groups`` with the lowest final held-out loss, or None."""
+    runs = [r for r in results if r["kind"] in kinds and r["group"] in groups]
+    return min(runs, key=_final, default=None)
+
+
+def spec_of(record: dict) -> RunSpec:
+    """The :class:`RunSpec` a record was made from."""
+    return RunSpec(
+        record["kind"],
+        record["group"],
+        record["seed"],
+        record["lr"],
+        record["weight_decay"],
+        tuple(record["flags"]),
+    )
 
 
 def dependent_specs(args: argparse.Namespace, results: list[dict], group: str) -> list[RunSpec]:
-    """The ``seed2``, ``rms`` or ``variants`` runs, which depend on the sweep's best runs.
+    """The runs of a group that depends on finished runs.
 
     Args:
         args: The command line.
         results: The finished runs.
-        group: ``"seed2"``, ``"rms"`` or ``"variants"``.
+        group: One of ``DEPENDENT``.
 
     Returns:
-        The runs of ``group`` whose sweep is complete (a missing sweep is logged).
+        The runs of ``group`` whose inputs are finished (what is missing is logged).
     """
-    sweep = {s.name for s in sweep_specs(args)}
     done = {r["name"] for r in results}
-    specs = []
-    for optimizer, prefix in (("AdamW", "adamw"), ("DMuon", "dmuon")):
-        wanted = {n for n in sweep if n.startswith(prefix)}
-        if not wanted <= done:
+    missing = {
+        optimizer: sorted(
+            s.name for s in sweep_specs(args) if s.optimizer == optimizer and s.name not in done
+        )
+        for optimizer in ("AdamW", "DMuon")
+    }
+    needs = {
+        "dropin": ("AdamW",),
+        "normuon": ("AdamW", "DMuon"),
+        "seed2": ("AdamW", "DMuon"),
+        "qkclip": ("AdamW", "DMuon"),
+    }[group]
+    for optimizer in needs:
+        if missing[optimizer]:
             logger.warning(
-                "%s sweep incomplete (%s missing): no %s run for it",
-                optimizer,
-                sorted(wanted - done),
+                "%s: the %s sweep is incomplete (%d runs missing, e.g. %s)",
                 group,
+                optimizer,
+                len(missing[optimizer]),
+                missing[optimizer][0],
             )
-            continue
-        best = best_run(results, optimizer)
-        if group == "seed2":
-            specs.append(
-                RunSpec(
-                    f"{prefix}_lr{_fmt(best['lr'])}_s{SEED2}",
-                    optimizer,
-                    best["lr"],
-                    SEED2,
-                    "seed2",
-                    args.steps,
-                    args.eval_every,
-                    tuple(args.extra),
-                )
-            )
-        elif group == "variants" and optimizer == "DMuon":
-            variants = (
-                ("normuon", ("--dmuon.variant", "normuon")),
-                (
-                    f"qkclip{_fmt(args.qk_clip_threshold)}",
-                    ("--dmuon.qk_clip_threshold", _fmt(args.qk_clip_threshold)),
-                ),
-            )
-            for name, flags in variants:
-                specs.append(
-                    RunSpec(
-                        f"dmuon_{name}_lr{_fmt(best['lr'])}_s{SEED}",
-                        "DMuon",
-                        best["lr"],
-                        SEED,
-                        "variants",
-                        args.steps,
-                        args.eval_every,
-                        (*flags, *args.extra),
-                    )
-                )
-        elif group == "rms" and optimizer == "AdamW":
-            extra = ("--dmuon.adjust_lr_fn", "match_rms_adamw", *args.extra)
-            specs.append(
-                RunSpec(
-                    f"dmuon_rms_lr{_fmt(best['lr'])}_s{SEED}",
-                    "DMuon",
-                    best["lr"],
-                    SEED,
-                    "rms",
-                    args.steps,
-                    args.eval_every,
-                    extra,
-                )
-            )
-    return specs
-
-
-def check_spec(args: argparse.Namespace) -> RunSpec:
-    """AdamW at lr 0, 10 steps, evaluated at 1, 5 and 10: the held-out losses must be equal."""
-    return RunSpec("check_fixed_eval", "AdamW", 0.0, SEED, "check", 10, 5, tuple(args.extra))
+            return []
+    best_adamw = best_run(results, ("adamw",), ("sweep",))
+    dropin = dropin_run(best_adamw["lr"], best_adamw["weight_decay"], SEED, "dropin")
+    if group == "dropin":
+        return [dropin]
+    if dropin.name not in done:
+        logger.warning("%s: needs the drop-in run %s first", group, dropin.name)
+        return []
+    best_dmuon = spec_of(best_run(results, ("dmuon", "dropin"), ("sweep", "dropin")))
+    if group == "normuon":
+        return [variant_run(best_dmuon, "normuon", ("--dmuon.variant", "normuon"), group)]
+    if group == "qkclip":
+        threshold = _fmt(args.qk_clip_threshold)
+        flags = ("--dmuon.qk_clip_threshold", threshold)
+        return [variant_run(best_dmuon, f"qkclip{threshold}", flags, group)]
+    best_original = spec_of(best_run(results, ("dmuon",), ("sweep",)))
+    bases = [spec_of(best_adamw), best_original, dropin]
+    return [reseeded(base, SEED2) for base in bases]
 
 
 def parse_log(text: str) -> dict:
@@ -259,8 +350,8 @@ def parse_log(text: str) -> dict:
 
     Returns:
         ``start`` (the "Training starts" time, seconds since the epoch), ``train`` (per
-        logged step: step, time, loss, grad_norm, tps) and ``val`` (per evaluation: step,
-        time, loss).
+        logged step: step, time, loss, grad_norm, tps), ``val`` (per evaluation: step,
+        time, loss) and ``ns_dtype`` (what ``ns_dtype = "auto"`` chose, or None).
     """
 
     def when(stamp: str) -> float:
@@ -285,10 +376,33 @@ def parse_log(text: str) -> dict:
     qk = [(float(m.group(1)), int(m.group(2))) for m in QK_RE.finditer(text)]
     for entry, (max_logit, heads) in zip(train, qk, strict=False):
         entry["qk_max_logit"], entry["qk_clipped_heads"] = max_logit, heads
-    return {"start": start, "train": train, "val": val}
+    ns_dtype = next((m.group(1) for m in NS_DTYPE_RE.finditer(text)), None)
+    return {"start": start, "train": train, "val": val, "ns_dtype": ns_dtype}
 
 
-def summarize(spec: RunSpec, parsed: dict, wall_s: float, val_batches: int) -> dict:
+def step_seconds(train: list[dict], eval_seconds: dict[int, float]) -> float:
+    """The median seconds per training step over the logged intervals.
+
+    An evaluation at step ``s`` runs after step ``s``'s log line, in the interval that
+    starts at ``s``: its time is taken out of that interval.
+
+    Args:
+        train: The logged steps (step, time).
+        eval_seconds: Seconds of the evaluation at each evaluated step.
+    """
+    per_step = [
+        (
+            b["time"]
+            - a["time"]
+            - sum(t for s, t in eval_seconds.items() if a["step"] <= s < b["step"])
+        )
+        / (b["step"] - a["step"])
+        for a, b in zip(train, train[1:], strict=False)
+    ]
+    return statistics.median(per_step) if per_step else math.nan
+
+
+def summarize(spec: RunSpec, settings: Settings, parsed: dict, wall_s: float) -> dict:
     """The result record of a run from its parsed log.
 
     Wall-clock is training time only: seconds since "Training starts" at the step's log
@@ -297,9 +411,9 @@ def summarize(spec: RunSpec, parsed: dict, wall_s: float, val_batches: int) -> d
 
     Args:
         spec: The run.
+        settings: What the benchmark's runs share.
         parsed: :func:`parse_log`'s output.
         wall_s: Seconds the whole subprocess took.
-        val_batches: Batches per rank at each evaluation.
 
     Returns:
         The JSON-ready record.
@@ -339,25 +453,31 @@ def summarize(spec: RunSpec, parsed: dict, wall_s: float, val_batches: int) -> d
     losses = [e["loss"] for e in evals if math.isfinite(e["loss"])]
     return {
         "name": spec.name,
+        "kind": spec.kind,
         "optimizer": spec.optimizer,
-        "lr": spec.lr,
-        "seed": spec.seed,
         "group": spec.group,
+        "seed": spec.seed,
+        "lr": spec.lr,
+        "weight_decay": spec.weight_decay,
+        "flags": list(spec.flags),
+        "size": settings.size,
         "config": {
             "config_file": CONFIG,
             "nproc": NPROC,
-            "steps": spec.steps,
-            "eval_every": spec.eval_every,
-            "val_batches_per_rank": val_batches,
-            "val_tokens_per_eval": val_batches * LOCAL_BATCH_SIZE * SEQ_LEN * NPROC,
+            "steps": settings.steps,
+            "eval_every": settings.eval_every,
+            "val_batches_per_rank": settings.val_batches,
+            "val_tokens_per_eval": settings.val_batches * LOCAL_BATCH_SIZE * SEQ_LEN * NPROC,
             "tokens_per_step": tokens_per_step,
-            "overrides": spec.overrides(val_batches),
+            "overrides": spec.overrides(settings),
         },
+        "ns_dtype": parsed["ns_dtype"],
         "steps_done": last["step"],
         "val": evals,
         "train": train,
         "final_val_loss": evals[-1]["loss"] if evals else float("nan"),
         "best_val_loss": min(losses) if losses else float("nan"),
+        "step_s": round(step_seconds(parsed["train"], {e["step"]: e["eval_s"] for e in evals}), 4),
         "train_wall_s": round(train_s, 3),
         "eval_wall_s": round(eval_seconds, 3),
         "process_wall_s": round(wall_s, 3),
@@ -365,25 +485,51 @@ def summarize(spec: RunSpec, parsed: dict, wall_s: float, val_batches: int) -> d
     }
 
 
-def run_one(spec: RunSpec, args: argparse.Namespace) -> dict | None:
-    """Trains ``spec`` through ``./run_train.sh`` unless its result file exists.
+class CacheMismatch(RuntimeError):
+    """A finished run's record was made with other TorchTitan overrides."""
+
+
+def cached(spec: RunSpec, settings: Settings, runs_dir: pathlib.Path) -> dict | None:
+    """The finished record of ``spec``, or None.
+
+    Raises:
+        CacheMismatch: The record exists but ran with other overrides.
+    """
+    path = runs_dir / f"{spec.name}.json"
+    if not path.exists():
+        return None
+    record = json.loads(path.read_text())
+    if record["config"]["overrides"] != spec.overrides(settings):
+        raise CacheMismatch(
+            f"{path} ran with {' '.join(record['config']['overrides'])}; this command would "
+            f"run {' '.join(spec.overrides(settings))}: give another --out, or move the record"
+        )
+    return record
+
+
+def run_one(spec: RunSpec, args: argparse.Namespace, settings: Settings, meta: dict) -> dict | None:
+    """Trains ``spec`` through ``./run_train.sh`` unless its record exists.
 
     Args:
         spec: The run.
-        args: The command line (``--out``, ``--val-batches``, ``--timeout``).
+        args: The command line (``--out``, ``--work``, ``--timeout``).
+        settings: What the benchmark's runs share.
+        meta: :func:`machine`'s output, kept in the record.
 
     Returns:
-        The run's record, or None when it failed (its log stays in ``logs/``).
+        The run's record, or None when it failed (its log stays under ``--work``).
     """
-    result_path = args.out / "runs" / f"{spec.name}.json"
-    if result_path.exists():
-        logger.info("%s: done before, skipped (%s)", spec.name, result_path)
-        return json.loads(result_path.read_text())
-    log_path = args.out / "logs" / f"{spec.name}.log"
+    runs_dir = args.out / settings.size / "runs"
+    record = cached(spec, settings, runs_dir)
+    if record is not None:
+        logger.info("%s: done before, skipped", spec.name)
+        return record
+    work = args.work / settings.size
+    log_path = work / "logs" / f"{spec.name}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    dump = args.out / "dumps" / spec.name
+    dump = work / "dumps" / spec.name
     cmd = ["./run_train.sh", "--job.config_file", CONFIG, "--job.dump_folder", str(dump)]
-    cmd += spec.overrides(args.val_batches)
+    cmd += spec.overrides(settings)
     logger.info("%s: %s", spec.name, " ".join(cmd))
     env = dict(os.environ, NGPU=str(NPROC), LOG_RANK="0")
     load_start = os.getloadavg()  # the machine may be shared: wall-clock needs it
@@ -405,53 +551,54 @@ def run_one(spec: RunSpec, args: argparse.Namespace) -> dict | None:
     wall_s = time.monotonic() - begin
     parsed = parse_log(log_path.read_text(encoding="utf-8", errors="replace"))
     steps = parsed["train"][-1]["step"] if parsed["train"] else 0
-    if returncode != 0 or steps != spec.steps or parsed["start"] is None:
+    if returncode != 0 or steps != settings.steps or parsed["start"] is None:
         logger.error(
             "%s: failed (return code %s, %d of %d steps); see %s",
             spec.name,
             returncode,
             steps,
-            spec.steps,
+            settings.steps,
             log_path,
         )
         return None
-    result = summarize(spec, parsed, wall_s, args.val_batches)
-    result["config"]["extra_overrides"] = list(spec.extra)
-    result["loadavg_start"], result["loadavg_end"] = list(load_start), list(os.getloadavg())
-    tmp = result_path.with_suffix(".json.tmp")
-    result_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp.write_text(json.dumps(result, indent=1) + "\n")
-    os.replace(tmp, result_path)
+    record = summarize(spec, settings, parsed, wall_s)
+    record["machine"] = meta
+    record["loadavg_start"], record["loadavg_end"] = list(load_start), list(os.getloadavg())
+    record["finished"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    path = runs_dir / f"{spec.name}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    os.replace(tmp, path)
     logger.info(
-        "%s: final held-out loss %.4f (best %.4f), %.0f s training, %.0f tokens/s",
+        "%s: final held-out loss %.4f, %.3f s a step, %.0f s training",
         spec.name,
-        result["final_val_loss"],
-        result["best_val_loss"],
-        result["train_wall_s"],
-        result["tokens_per_s"],
+        record["final_val_loss"],
+        record["step_s"],
+        record["train_wall_s"],
     )
-    return result
+    return record
 
 
-def steps_to_reach(run: dict, target: float, key: str = "step") -> float | None:
-    """The step (or ``key``: tokens, wall_s) at which ``run``'s held-out loss reaches ``target``.
+def steps_to_reach(run: dict, target: float) -> float | None:
+    """The step at which ``run``'s held-out loss first reaches ``target``.
 
-    Linear interpolation between the two evaluations around the crossing; None when
-    the run never reaches it.
+    Linear interpolation between the two evaluations around the crossing; None when the
+    run never reaches it.
     """
     previous = None
     for e in run["val"]:
         if e["loss"] <= target:
             if previous is None or previous["loss"] == e["loss"]:
-                return float(e[key])
+                return float(e["step"])
             frac = (previous["loss"] - target) / (previous["loss"] - e["loss"])
-            return previous[key] + frac * (e[key] - previous[key])
+            return previous["step"] + frac * (e["step"] - previous["step"])
         previous = e
     return None
 
 
 def machine() -> dict:
-    """The CPU model, torch's CPU capability and versions."""
+    """The CPU model, torch's CPU capability, versions and the git commit."""
     model = platform.processor() or "unknown"
     try:
         for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
@@ -460,38 +607,20 @@ def machine() -> dict:
                 break
     except OSError:
         pass
-    try:
-        commit = subprocess.run(
-            ["git", "-C", str(ROOT), "rev-parse", "HEAD"],
-            text=True,
-            capture_output=True,
-            check=False,
-        ).stdout.strip()
-        dirty = bool(
-            subprocess.run(
-                ["git", "-C", str(ROOT), "status", "--porcelain"],
-                text=True,
-                capture_output=True,
-                check=False,
-            ).stdout.strip()
-        )
-    except OSError:
-        commit, dirty = "", None
-    ns_dtype = None
-    try:
-        import tomllib
 
-        ns_dtype = tomllib.loads((ROOT / CONFIG).read_text())["dmuon"].get("ns_dtype")
-    except (ImportError, KeyError, OSError):
-        pass
+    def git(*command: str) -> str:
+        result = subprocess.run(
+            ["git", "-C", str(ROOT), *command], text=True, capture_output=True, check=False
+        )
+        return result.stdout.strip()
+
     return {
         "cpu_model": model,
         "cpu_count": os.cpu_count(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "torch": torch.__version__,
-        "git_commit": commit,
-        "git_dirty": dirty,
-        "config_ns_dtype": ns_dtype,
+        "git_commit": git("rev-parse", "HEAD"),
+        "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
     }
 
 
@@ -504,244 +633,231 @@ def _loss(value: float | None) -> str:
     return "-" if value is None or not math.isfinite(value) else f"{value:.4f}"
 
 
-def report(results: list[dict], check: dict | None, meta: dict) -> tuple[str, dict]:
-    """The markdown table and the summary.
+def _machine_key(record: dict) -> tuple:
+    m = record.get("machine", {})
+    return (m.get("cpu_model"), m.get("cpu_count"), m.get("cpu_capability"), m.get("torch"))
+
+
+RECIPES = (
+    ("AdamW, best of the sweep", ("adamw",), ("sweep",)),
+    ("DMuon original, best of the sweep", ("dmuon",), ("sweep",)),
+    ("DMuon drop-in (match_rms_adamw, AdamW's settings)", ("dropin",), ("dropin",)),
+    ("NorMuon at the best DMuon settings", ("normuon", "normuon_dropin"), ("normuon",)),
+    ("QK-clip at the best DMuon settings", None, ("qkclip",)),
+)
+"""The report's recipe rows: label, kinds (None: any), and the group of the seed-42 run."""
+
+
+def _seeds_of(results: list[dict], run: dict) -> list[dict]:
+    """``run`` and its reseeded twins, seed ``SEED`` first."""
+    same = [
+        r
+        for r in results
+        if (r["kind"], r["lr"], r["weight_decay"]) == (run["kind"], run["lr"], run["weight_decay"])
+        and (r is run or r["group"] == "seed2")
+    ]
+    return sorted(same, key=lambda r: r["seed"] != SEED)
+
+
+def _grid(results: list[dict], kind: str, lrs: list[float], wds: list[float]) -> list[str]:
+    cells = {
+        (r["lr"], r["weight_decay"]): r
+        for r in results
+        if r["kind"] == kind and r["group"] == "sweep"
+    }
+    best = min(cells.values(), key=_final, default=None)
+    rows = []
+    for lr in lrs:
+        row = [_fmt(lr)]
+        for wd in wds:
+            r = cells.get((lr, wd))
+            text = _loss(r["final_val_loss"]) if r else "not run"
+            row.append(f"**{text}**" if r is not None and r is best else text)
+        rows.append(row)
+    return _table(rows, ["lr \\ weight decay", *(_fmt(wd) for wd in wds)])
+
+
+def report(
+    results: list[dict], check: dict | None, settings: Settings, args: argparse.Namespace
+) -> tuple[str, dict]:
+    """The markdown report of one size and its summary.
 
     Args:
-        results: The training runs (no ``check`` run).
+        results: The size's finished training runs (no ``check`` run).
         check: The ``check`` run, if done.
-        meta: :func:`machine`'s output.
+        settings: What the runs share.
+        args: The command line (the sweep's points).
 
     Returns:
         The markdown text and the summary dict for the JSON.
     """
+    size = SIZES[settings.size]
+    tokens_per_step = LOCAL_BATCH_SIZE * SEQ_LEN * NPROC
     lines = [
-        f"## DMuon vs FSDP2 + fused AdamW: held-out loss ({CONFIG}, {NPROC} gloo ranks)",
+        f"## DMuon vs FSDP2 + fused AdamW, {size.description}: held-out loss",
         "",
-        f"CPU: {meta['cpu_model']} ({meta['cpu_count']} cores), torch "
-        f"{meta['torch']}, cpu capability {meta['cpu_capability']}; config ns_dtype "
-        f"{meta['config_ns_dtype']}; git {meta['git_commit'][:10]}"
-        f"{' (dirty tree)' if meta['git_dirty'] else ''}",
+        f"{CONFIG}, {NPROC} gloo ranks, {settings.steps} steps of {tokens_per_step} tokens "
+        f"(warmup 10, linear decay to 0), held-out evaluation every {settings.eval_every} "
+        f"steps on the same {settings.val_batches * tokens_per_step} tokens.",
+        "",
     ]
-    summary: dict = {}
-    if results:
-        cfg = results[0]["config"]
+    machines: dict[tuple, list[dict]] = {}
+    for r in results:
+        machines.setdefault(_machine_key(r), []).append(r)
+    for key, runs in machines.items():
+        dtypes = sorted({str(r.get("ns_dtype")) for r in runs if r["optimizer"] == "DMuon"})
+        commits = sorted({r.get("machine", {}).get("git_commit", "")[:7] for r in runs})
         lines.append(
-            f"{cfg['steps']} steps, {cfg['tokens_per_step']} tokens/step, held-out evaluation "
-            f"every {cfg['eval_every']} steps on the same {cfg['val_tokens_per_eval']} tokens "
-            f"({cfg['val_batches_per_rank']} batches per rank)"
+            f"- {len(runs)} runs on {key[0]} ({key[1]} cores), cpu capability {key[2]}, torch "
+            f"{key[3]}; Newton-Schulz dtype (`auto`): {', '.join(dtypes) or '-'}; commits "
+            f"{', '.join(commits)}"
         )
+    summary: dict = {"size": settings.size, "steps": settings.steps}
     if check:
         losses = [e["loss"] for e in check["val"]]
         same = len(set(losses)) == 1 and len(losses) >= 2
-        summary["fixed_eval_check"] = {
-            "losses": losses,
-            "steps": [e["step"] for e in check["val"]],
-            "same": same,
-        }
+        summary["fixed_eval_check"] = {"losses": losses, "same": same}
         lines.append(
-            f"Fixed-batch check (AdamW lr 0, unchanged model): held-out losses "
-            f"{losses} at steps {[e['step'] for e in check['val']]}: "
-            f"{'identical' if same else 'DIFFERENT'}"
+            f"- fixed-batch check (AdamW lr 0, unchanged model): held-out losses {losses} at "
+            f"steps {[e['step'] for e in check['val']]}: {'identical' if same else 'DIFFERENT'}"
         )
+    lines += ["", "Final held-out loss of the sweep (seed 42; best in bold):", ""]
+    lines += ["AdamW (every parameter):", ""]
+    lines += _grid(results, "adamw", args.adamw_lrs, args.adamw_wds)
+    lines += ["", 'DMuon, `adjust_lr_fn = "original"` (Muon matrices\' lr and weight decay):', ""]
+    lines += _grid(results, "dmuon", args.muon_lrs, args.muon_wds)
     lines.append("")
-    best = {}
+
+    adamw = best_run(results, ("adamw",), ("sweep",))
     rows = []
-    for optimizer in ("AdamW", "DMuon"):
-        b = best_run(results, optimizer)
-        if b is None:
+    for label, kinds, group in RECIPES:
+        run = next(
+            (
+                r
+                for r in sorted(results, key=_final)
+                if r["group"] in group and (kinds is None or r["kind"] in kinds)
+            ),
+            None,
+        )
+        if run is None:
             continue
-        best[optimizer] = b
-        seeds = [
-            r
-            for r in results
-            if r["optimizer"] == optimizer
-            and r["lr"] == b["lr"]
-            and r["group"] in ("sweep", "seed2")
-        ]
-        seeds.sort(key=lambda r: r["seed"] != SEED)
-        mean = sum(r["best_val_loss"] for r in seeds) / len(seeds)
-        per_seed = ", ".join(f"seed {r['seed']}: {_loss(r['best_val_loss'])}" for r in seeds)
-        flag = "--optimizer.lr" if optimizer == "AdamW" else "--dmuon.lr"
-        rows.append([optimizer, f"{flag} {_fmt(b['lr'])}", _loss(mean), str(len(seeds)), per_seed])
-        summary[f"best_{optimizer.lower()}"] = {
-            "lr": b["lr"],
-            "mean_best_val_loss": mean,
-            "per_seed": {str(r["seed"]): r["best_val_loss"] for r in seeds},
+        seeds = _seeds_of(results, run)
+        finals = [r["final_val_loss"] for r in seeds]
+        entry = {
+            "name": run["name"],
+            "lr": run["lr"],
+            "weight_decay": run["weight_decay"],
+            "final_val_loss": {str(r["seed"]): r["final_val_loss"] for r in seeds},
+            "step_s": run["step_s"],
         }
-    lines += _table(
-        rows, ["optimizer", "best lr", "best held-out loss (mean)", "seeds", "per seed"]
-    )
-    lines.append("")
-    if len(best) == 2:
-        rows = []
-        for a, b in (("AdamW", "DMuon"), ("DMuon", "AdamW")):
-            target = best[b]["final_val_loss"]
-            step = steps_to_reach(best[a], target)
-            seconds = steps_to_reach(best[a], target, "wall_s")
-            reached = "not reached" if step is None else f"{step:.1f}"
-            reached_s = "not reached" if seconds is None else f"{seconds:.0f}"
-            rows.append(
-                [
-                    f"best {a} ({best[a]['name']})",
-                    f"best {b}'s final {_loss(target)}",
-                    reached,
-                    reached_s,
-                    str(best[a]["steps_done"]),
+        reach = ["-", "-"]
+        if adamw is not None:
+            target = adamw["final_val_loss"]
+            own = steps_to_reach(adamw, target)
+            steps = steps_to_reach(run, target)
+            entry["steps_to_adamw_final"] = steps
+            if steps is None:
+                reach = ["not reached", "not reached"]
+            else:
+                ratio = steps / own
+                wall, own_wall = steps * run["step_s"], own * adamw["step_s"]
+                note = "" if _machine_key(run) == _machine_key(adamw) else " (other machine)"
+                reach = [
+                    f"{steps:.0f} ({ratio:.2f}x)",
+                    f"{wall:.0f} ({wall / own_wall:.2f}x){note}",
                 ]
-            )
-            summary[f"steps_{a.lower()}_to_{b.lower()}_final"] = step
-            summary[f"wall_s_{a.lower()}_to_{b.lower()}_final"] = seconds
-        header = [
-            "run",
-            "target held-out loss",
-            "steps to reach",
-            "train wall s to reach",
-            "of steps",
-        ]
-        lines += _table(rows, header)
-        lines.append("")
-    base = next(
-        (
-            r
-            for r in results
-            if r["group"] == "sweep" and r["name"] == best.get("DMuon", {}).get("name")
-        ),
-        None,
-    )
-    variants = [r for r in results if r["group"] == "variants"]
-    if base is not None and variants:
-        rows = []
-        for r in [base, *variants]:
-            qk = [e for e in r["train"] if "qk_max_logit" in e]
-            clipped = sum(e["qk_clipped_heads"] > 0 for e in qk)
-            rows.append(
-                [
-                    r["name"],
-                    _loss(r["final_val_loss"]),
-                    f"{r['final_val_loss'] - base['final_val_loss']:+.3f}",
-                    f"{r['tokens_per_s']:.0f}",
-                    f"{max(e['qk_max_logit'] for e in qk):.2f}" if qk else "",
-                    f"{clipped} of {len(qk)}" if qk else "",
-                ]
-            )
-        summary["variants"] = {r[0]: {"final_val_loss": r[1], "vs_muon": r[2]} for r in rows}
-        lines.append(f"Muon's variants at the best DMuon lr, seed {SEED}:")
-        lines.append("")
-        lines += _table(
-            rows,
-            ["run", "final held-out", "vs Muon", "tokens/s", "largest logit",
-             "logged steps with clipped heads"],
-        )  # fmt: skip
-        lines.append("")
-    rows = []
-    for r in results:
+                entry.update(
+                    steps_ratio=ratio, wall_s_to_adamw_final=wall, wall_ratio=wall / own_wall
+                )
+        summary.setdefault("recipes", {})[run["name"]] = entry
         rows.append(
             [
-                r["name"],
-                r["optimizer"],
-                _fmt(r["lr"]),
-                str(r["seed"]),
-                _loss(r["final_val_loss"]),
-                _loss(r["best_val_loss"]),
-                f"{r['train_wall_s']:.0f}",
-                f"{r['tokens_per_s']:.0f}",
+                label,
+                f"lr {_fmt(run['lr'])}, wd {_fmt(run['weight_decay'])}",
+                _loss(sum(finals) / len(finals)),
+                ", ".join(f"{r['seed']}: {_loss(r['final_val_loss'])}" for r in seeds),
+                *reach,
+                f"{run['step_s']:.3f}",
             ]
         )
+    if adamw is not None:
+        lines.append(
+            f"Steps and training wall time (s/step x steps) to reach the best AdamW run's "
+            f"final held-out loss {_loss(adamw['final_val_loss'])}:"
+        )
+        lines.append("")
     lines += _table(
         rows,
+        ["recipe", "settings", "final held-out (mean)", "per seed", "steps to AdamW's final",
+         "wall s to it", "s/step"],
+    )  # fmt: skip
+    lines += ["", "Every run:", ""]
+    rows = [
         [
-            "run",
-            "optimizer",
-            "lr",
-            "seed",
-            "final held-out",
-            "best held-out",
-            "train wall s",
-            "tokens/s",
-        ],
-    )
+            r["name"],
+            r["group"],
+            _loss(r["final_val_loss"]),
+            _loss(r["best_val_loss"]),
+            f"{r['step_s']:.3f}",
+            f"{r['train_wall_s']:.0f}",
+            str(r.get("ns_dtype") or "-"),
+        ]
+        for r in sorted(results, key=lambda r: (r["group"] != "sweep", r["name"]))
+    ]
+    lines += _table(
+        rows,
+        ["run", "group", "final held-out", "best held-out", "s/step", "train wall s",
+         "NS dtype"],
+    )  # fmt: skip
     return "\n".join(lines) + "\n", summary
 
 
-def plot(results: list[dict], path: pathlib.Path, best_names: set[str]) -> None:
-    """Held-out loss against tokens and against training wall-clock, one line per run."""
+def plot(results: list[dict], path: pathlib.Path, title: str, highlight: set[str]) -> None:
+    """Held-out loss against steps and against training wall time, one line per run."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
-    colors = {"AdamW": plt.cm.Blues, "DMuon": plt.cm.Oranges}
-    for r in sorted(results, key=lambda r: (r["optimizer"], r["group"], r["lr"])):
-        highlight = r["name"] in best_names or (r["group"] == "seed2")
-        cmap = {"rms": plt.cm.Greens, "variants": plt.cm.Purples}.get(
-            r["group"], colors[r["optimizer"]]
-        )
-        if "qkclip" in r["name"]:
-            cmap = plt.cm.Reds
-        lrs = sorted({x["lr"] for x in results if x["optimizer"] == r["optimizer"]})
-        shade = 0.45 + 0.5 * (lrs.index(r["lr"]) + 1) / (len(lrs) + 1)
-        style = {"seed2": "--", "rms": ":", "variants": "-."}.get(r["group"], "-")
+    colors = {"adamw": "tab:blue", "dmuon": "tab:orange", "dropin": "tab:green"}
+    for r in sorted(results, key=lambda r: r["name"] in highlight):
+        bold = r["name"] in highlight or r["group"] == "seed2"
+        kind = r["kind"]
+        color = colors.get(kind, "tab:red" if kind.startswith("qkclip") else "tab:purple")
         kw = {
-            "color": cmap(shade),
-            "linestyle": style,
-            "marker": "o",
-            "markersize": 3,
-            "linewidth": 2.8 if highlight else 1.1,
-            "alpha": 1.0 if highlight else 0.6,
-            "label": f"{r['name']}{' (best)' if r['name'] in best_names else ''}",
+            "color": color,
+            "linestyle": "--" if r["group"] == "seed2" else "-",
+            "linewidth": 2.4 if bold else 0.9,
+            "alpha": 1.0 if bold else 0.35,
+            "label": r["name"] if bold else None,
         }
-        for ax, key in zip(axes, ("tokens", "wall_s"), strict=True):
-            ax.plot([e[key] for e in r["val"]], [e["loss"] for e in r["val"]], **kw)
-    axes[0].set_xlabel("training tokens")
-    axes[1].set_xlabel("training wall-clock (s, evaluations excluded)")
+        steps = [e["step"] for e in r["val"]]
+        losses = [e["loss"] for e in r["val"]]
+        axes[0].plot(steps, losses, **kw)
+        axes[1].plot([s * r["step_s"] for s in steps], losses, **kw)
+    axes[0].set_xlabel("step")
+    axes[1].set_xlabel("training wall time (s: steps x median s/step)")
     axes[0].set_ylabel("held-out loss")
-    for ax in axes:
-        ax.grid(alpha=0.3)
     finite = [e["loss"] for r in results for e in r["val"] if math.isfinite(e["loss"])]
     if finite:
         low = min(finite)
-        axes[0].set_ylim(low - 0.1, min(max(finite), low + 3.0))
+        axes[0].set_ylim(low - 0.1, min(max(finite), low + 2.0))
+    for ax in axes:
+        ax.grid(alpha=0.3)
     axes[1].legend(fontsize=7, loc="upper right")
-    fig.suptitle("DMuon vs FSDP2 + fused AdamW, debug llama3 (TorchTitan), held-out loss")
+    fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def _load_done(out: pathlib.Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted((out / "runs").glob("*.json"))]
-
-
-def reparse(out: pathlib.Path) -> None:
-    """Rebuilds every ``runs/<name>.json`` from its log with this parser and summary."""
-    for record in _load_done(out):
-        cfg = record["config"]
-        spec = RunSpec(
-            record["name"],
-            record["optimizer"],
-            record["lr"],
-            record["seed"],
-            record["group"],
-            cfg["steps"],
-            cfg["eval_every"],
-            tuple(cfg.get("extra_overrides", ())),
-        )
-        log = (out / "logs" / f"{spec.name}.log").read_text(encoding="utf-8", errors="replace")
-        result = summarize(
-            spec, parse_log(log), record["process_wall_s"], cfg["val_batches_per_rank"]
-        )
-        result["config"]["extra_overrides"] = list(spec.extra)
-        for key in ("loadavg_start", "loadavg_end"):
-            if key in record:
-                result[key] = record[key]
-        (out / "runs" / f"{spec.name}.json").write_text(json.dumps(result, indent=1) + "\n")
-        logger.info("%s: rebuilt from its log", spec.name)
+def _load_done(runs_dir: pathlib.Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(runs_dir.glob("*.json"))]
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs the selected runs (skipping finished ones), then writes the report.
+    """Runs the selected runs (skipping finished ones), then writes the size's report.
 
     Args:
         argv: The command line (``sys.argv[1:]`` when None).
@@ -750,38 +866,48 @@ def main(argv: list[str] | None = None) -> int:
         0, or 1 when a run failed.
     """
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=pathlib.Path, default=ROOT / "benchmarks/results/convergence")
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--eval-every", type=int, default=25)
+    parser.add_argument("--size", choices=sorted(SIZES), default="debug")
+    parser.add_argument(
+        "--out",
+        type=pathlib.Path,
+        default=ROOT / "docs/figures/convergence",
+        help="records and report: <out>/<size>/",
+    )
+    parser.add_argument(
+        "--work",
+        type=pathlib.Path,
+        default=ROOT / "outputs/convergence",
+        help="logs and TorchTitan dump folders: <work>/<size>/",
+    )
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument(
         "--val-batches",
         type=int,
         default=10,
-        help="held-out batches per rank at each evaluation (rank 1 of the "
-        "2 holds 20 whole batches of 4 x 128 tokens)",
+        help="held-out batches per rank at each evaluation (rank 1 of the 2 holds 20 "
+        "whole batches of 4 x 128 tokens)",
     )
     parser.add_argument(
         "--runs",
-        default="check,sweep,seed2",
-        help="comma-separated groups (check, sweep, seed2, rms, variants, all) and/or run "
-        "names (see --list)",
+        default="all",
+        help=f"comma-separated groups ({', '.join(GROUPS)}; all: {', '.join(DEFAULT_GROUPS)}) "
+        "and/or run names (see --list)",
     )
+    parser.add_argument("--adamw-lrs", type=float, nargs="+", default=[3e-3, 1e-3, 1e-2])
+    parser.add_argument("--adamw-wds", type=float, nargs="+", default=[0.0, 0.1])
+    parser.add_argument("--muon-lrs", type=float, nargs="+", default=[0.02, 0.01, 0.04])
+    parser.add_argument("--muon-wds", type=float, nargs="+", default=[0.0, 0.01, 0.1])
+    parser.add_argument("--qk-clip-threshold", type=float, default=10.0)
+    parser.add_argument("--timeout", type=float, default=7200, help="seconds per run")
     parser.add_argument(
-        "--qk-clip-threshold",
-        type=float,
-        default=10.0,
-        help="the variants group's QK-clip threshold",
+        "--quick",
+        action="store_true",
+        help="10 steps, evaluated every 5 on 2 batches: one AdamW and one DMuon run (the "
+        "test suite's check of this benchmark)",
     )
-    parser.add_argument("--adamw-lrs", type=float, nargs=3, default=[1e-3, 3e-3, 1e-2])
-    parser.add_argument("--muon-lrs", type=float, nargs=3, default=[0.01, 0.02, 0.05])
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     parser.add_argument("--list", action="store_true", help="list the runs and exit")
     parser.add_argument("--report-only", action="store_true", help="run nothing, report")
-    parser.add_argument(
-        "--reparse",
-        action="store_true",
-        help="first rebuild every finished run's JSON from its log",
-    )
     parser.add_argument(
         "--extra",
         nargs=argparse.REMAINDER,
@@ -789,50 +915,64 @@ def main(argv: list[str] | None = None) -> int:
         help="TorchTitan overrides for every run (last on the line)",
     )
     args = parser.parse_args(argv)
-    args.out = args.out.resolve()
+    if args.quick:
+        args.steps, args.eval_every, args.val_batches = 10, 5, 2
+    args.out, args.work = args.out.resolve(), args.work.resolve()
     if args.steps % args.eval_every or args.eval_every % LOG_FREQ:
         parser.error(
             f"--steps must be a multiple of --eval-every, and --eval-every of {LOG_FREQ}"
             " (the config's log_freq), so the last step is evaluated and timed"
         )
+    settings = Settings(args.size, args.steps, args.eval_every, args.val_batches, tuple(args.extra))
     wanted = set(args.runs.split(","))
     if "all" in wanted:
-        wanted |= set(GROUPS)
+        wanted |= set(DEFAULT_GROUPS)
+    runs_dir = args.out / args.size / "runs"
+    meta = machine()
 
-    if args.reparse:
-        reparse(args.out)
-    failed = False
-    if not args.report_only:
-        queue = [check_spec(args)] + sweep_specs(args)
-        selected = [s for s in queue if s.group in wanted or s.name in wanted]
+    check_settings = dataclasses.replace(settings, steps=10, eval_every=5)
+    queue = quick_specs() if args.quick else sweep_specs(args)
+    selected = [s for s in queue if args.quick or s.group in wanted or s.name in wanted]
+    try:
         if args.list:
-            done = [r for r in _load_done(args.out) if r["group"] != "check"]
-            queue += [s for g in DEPENDENT for s in dependent_specs(args, done, g)]
+            done = [r for r in _load_done(runs_dir) if r["group"] != "check"]
+            print(
+                check_spec().name,
+                "check",
+                "done" if cached(check_spec(), check_settings, runs_dir) else "",
+            )
             for s in queue:
-                print(s.name, s.group)
-            print("(seed2, rms and variants runs are known once their sweep is done)")
+                print(s.name, s.group, "done" if cached(s, settings, runs_dir) else "")
+            for group in DEPENDENT:
+                for s in dependent_specs(args, done, group):
+                    print(s.name, s.group, "done" if cached(s, settings, runs_dir) else "")
             return 0
-        for spec in selected:
-            failed |= run_one(spec, args) is None
-        named = wanted - set(GROUPS) - {s.name for s in queue}
-        for group in DEPENDENT:
-            if group not in wanted and not named:
-                continue
-            done = [r for r in _load_done(args.out) if r["group"] != "check"]
-            for spec in dependent_specs(args, done, group):
-                if group in wanted or spec.name in wanted:
-                    failed |= run_one(spec, args) is None
+        failed = False
+        if not args.report_only:
+            if "check" in wanted and not args.quick:
+                failed |= run_one(check_spec(), args, check_settings, meta) is None
+            for spec in selected:
+                failed |= run_one(spec, args, settings, meta) is None
+            for group in DEPENDENT if not args.quick else ():
+                done = [r for r in _load_done(runs_dir) if r["group"] != "check"]
+                for spec in dependent_specs(args, done, group):
+                    if group in wanted or spec.name in wanted:
+                        failed |= run_one(spec, args, settings, meta) is None
+    except CacheMismatch as error:
+        logger.error("%s", error)
+        return 2
 
-    everything = _load_done(args.out)
+    everything = _load_done(runs_dir)
     check = next((r for r in everything if r["group"] == "check"), None)
     results = [r for r in everything if r["group"] != "check"]
-    meta = machine()
-    text, summary = report(results, check, meta)
-    best_names = {b["name"] for b in (best_run(results, o) for o in ("AdamW", "DMuon")) if b}
+    text, summary = report(results, check, settings, args)
+    out = args.out / args.size
+    out.mkdir(parents=True, exist_ok=True)
     if results:
-        plot(results, args.out / "convergence.png", best_names)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "table.md").write_text(text)
+        highlight = set(summary.get("recipes", {}))
+        title = f"DMuon vs FSDP2 + fused AdamW, {SIZES[args.size].description}, held-out loss"
+        plot(results, out / "convergence.png", title, highlight)
+    (out / "table.md").write_text(text)
     payload = {
         "machine": meta,
         "summary": summary,
@@ -840,14 +980,9 @@ def main(argv: list[str] | None = None) -> int:
         "runs": results,
         "command": [sys.executable, *sys.argv],
     }
-    (args.out / "convergence.json").write_text(json.dumps(payload, indent=1) + "\n")
+    (out / "convergence.json").write_text(json.dumps(payload, indent=1) + "\n")
     print(text)
-    logger.info(
-        "wrote %s, %s and %s",
-        args.out / "convergence.json",
-        args.out / "convergence.png",
-        args.out / "table.md",
-    )
+    logger.info("wrote %s (table.md, convergence.json, convergence.png)", out)
     return 1 if failed else 0
 
 
