@@ -21,6 +21,10 @@ The groups of runs (``--runs``):
   and weight decay for every parameter: "keep your AdamW settings".
 * ``normuon``: NorMuon (``--dmuon.variant normuon``) at the best DMuon run's settings.
 * ``seed2``: the best AdamW, the best DMuon and the drop-in again with a second seed.
+* ``timing``: the best AdamW, the best DMuon and the drop-in for ``--timing-steps`` steps
+  without evaluation, in ``--timing-rounds`` interleaved rounds, so that their step times
+  come from one stretch of time on a machine left quiet; the report's wall times use the
+  fastest round of each (without it, each run's own step time).
 * ``qkclip``: QK-clip (``--dmuon.qk_clip_threshold``) at the best DMuon run's settings (not
   in ``all``).
 
@@ -82,9 +86,9 @@ NPROC = 2
 LOCAL_BATCH_SIZE, SEQ_LEN = 4, 128
 LOG_FREQ = 5  # [metrics] log_freq of the config: the training loss is logged every 5 steps
 SEED, SEED2 = 42, 1
-DEFAULT_GROUPS = ("check", "sweep", "dropin", "normuon", "seed2")
+DEFAULT_GROUPS = ("check", "sweep", "dropin", "normuon", "seed2", "timing")
 GROUPS = (*DEFAULT_GROUPS, "qkclip")
-DEPENDENT = ("dropin", "normuon", "seed2", "qkclip")
+DEPENDENT = ("dropin", "normuon", "seed2", "timing", "qkclip")
 """The groups chosen from finished runs, in the order they are run (each may need the last)."""
 _TIME = r"\[rank0\]:\[titan\] (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) - root - \w+ - "
 _NUM = r"(-?[\d.]+|nan|inf|-inf)"
@@ -169,6 +173,8 @@ class RunSpec:
         """
         args = ["--training.steps", str(settings.steps), "--debug.seed", str(self.seed)]
         args += [*SIZES[settings.size].flags, *self.flags]
+        if not settings.val_batches:  # a timing run
+            return args + list(settings.extra)
         args += [
             "--validation.enable",
             "--validation.dataset",
@@ -197,7 +203,8 @@ class Settings:
         size: A key of ``SIZES``.
         steps: ``--training.steps``.
         eval_every: ``--validation.freq``.
-        val_batches: ``--validation.steps``: batches per rank at each evaluation.
+        val_batches: ``--validation.steps``: batches per rank at each evaluation; 0: no
+            evaluation (a ``timing`` run).
         extra: Further TorchTitan overrides, last on the line.
     """
 
@@ -311,6 +318,7 @@ def dependent_specs(args: argparse.Namespace, results: list[dict], group: str) -
         "dropin": ("AdamW",),
         "normuon": ("AdamW", "DMuon"),
         "seed2": ("AdamW", "DMuon"),
+        "timing": ("AdamW", "DMuon"),
         "qkclip": ("AdamW", "DMuon"),
     }[group]
     for optimizer in needs:
@@ -339,6 +347,12 @@ def dependent_specs(args: argparse.Namespace, results: list[dict], group: str) -
         return [variant_run(best_dmuon, f"qkclip{threshold}", flags, group)]
     best_original = spec_of(best_run(results, ("dmuon",), ("sweep",)))
     bases = [spec_of(best_adamw), best_original, dropin]
+    if group == "timing":
+        return [
+            dataclasses.replace(base, kind=f"timing{n}_{base.kind}", group="timing")
+            for n in range(1, args.timing_rounds + 1)
+            for base in bases
+        ]
     return [reseeded(base, SEED2) for base in bases]
 
 
@@ -659,6 +673,18 @@ def _seeds_of(results: list[dict], run: dict) -> list[dict]:
     return sorted(same, key=lambda r: r["seed"] != SEED)
 
 
+def _timed_step_s(results: list[dict], run: dict) -> float | None:
+    """The fastest ``timing`` round's step time of ``run``'s settings, or None."""
+    rounds = [
+        r["step_s"]
+        for r in results
+        if r["group"] == "timing"
+        and r["kind"].split("_", 1)[1] == run["kind"]
+        and (r["lr"], r["weight_decay"]) == (run["lr"], run["weight_decay"])
+    ]
+    return min(rounds, default=None)
+
+
 def _grid(results: list[dict], kind: str, lrs: list[float], wds: list[float]) -> list[str]:
     cells = {
         (r["lr"], r["weight_decay"]): r
@@ -729,6 +755,7 @@ def report(
     lines.append("")
 
     adamw = best_run(results, ("adamw",), ("sweep",))
+    timed = adamw is not None and _timed_step_s(results, adamw) is not None
     rows = []
     for label, kinds, group in RECIPES:
         run = next(
@@ -749,6 +776,7 @@ def report(
             "weight_decay": run["weight_decay"],
             "final_val_loss": {str(r["seed"]): r["final_val_loss"] for r in seeds},
             "step_s": run["step_s"],
+            "timed_step_s": _timed_step_s(results, run),
         }
         reach = ["-", "-"]
         if adamw is not None:
@@ -760,7 +788,10 @@ def report(
                 reach = ["not reached", "not reached"]
             else:
                 ratio = steps / own
-                wall, own_wall = steps * run["step_s"], own * adamw["step_s"]
+                step_s, own_step_s = run["step_s"], adamw["step_s"]
+                if timed and entry["timed_step_s"] is not None:
+                    step_s, own_step_s = entry["timed_step_s"], _timed_step_s(results, adamw)
+                wall, own_wall = steps * step_s, own * own_step_s
                 note = "" if _machine_key(run) == _machine_key(adamw) else " (other machine)"
                 reach = [
                     f"{steps:.0f} ({ratio:.2f}x)",
@@ -778,18 +809,20 @@ def report(
                 ", ".join(f"{r['seed']}: {_loss(r['final_val_loss'])}" for r in seeds),
                 *reach,
                 f"{run['step_s']:.3f}",
+                "-" if entry["timed_step_s"] is None else f"{entry['timed_step_s']:.3f}",
             ]
         )
     if adamw is not None:
+        source = "the timing rounds' fastest" if timed else "each run's own (median)"
         lines.append(
-            f"Steps and training wall time (s/step x steps) to reach the best AdamW run's "
-            f"final held-out loss {_loss(adamw['final_val_loss'])}:"
+            f"Steps and training wall time (steps x s/step, {source}) to reach the best AdamW "
+            f"run's final held-out loss {_loss(adamw['final_val_loss'])}:"
         )
         lines.append("")
     lines += _table(
         rows,
         ["recipe", "settings", "final held-out (mean)", "per seed", "steps to AdamW's final",
-         "wall s to it", "s/step"],
+         "wall s to it", "s/step", "s/step timed"],
     )  # fmt: skip
     lines += ["", "Every run:", ""]
     rows = [
@@ -822,6 +855,8 @@ def plot(results: list[dict], path: pathlib.Path, title: str, highlight: set[str
     fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
     colors = {"adamw": "tab:blue", "dmuon": "tab:orange", "dropin": "tab:green"}
     for r in sorted(results, key=lambda r: r["name"] in highlight):
+        if not r["val"]:  # a timing run
+            continue
         bold = r["name"] in highlight or r["group"] == "seed2"
         kind = r["kind"]
         color = colors.get(kind, "tab:red" if kind.startswith("qkclip") else "tab:purple")
@@ -899,6 +934,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--muon-lrs", type=float, nargs="+", default=[0.02, 0.01, 0.04])
     parser.add_argument("--muon-wds", type=float, nargs="+", default=[0.0, 0.01, 0.1])
     parser.add_argument("--qk-clip-threshold", type=float, default=10.0)
+    parser.add_argument("--timing-steps", type=int, default=60)
+    parser.add_argument("--timing-rounds", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=7200, help="seconds per run")
     parser.add_argument(
         "--quick",
@@ -931,6 +968,11 @@ def main(argv: list[str] | None = None) -> int:
     meta = machine()
 
     check_settings = dataclasses.replace(settings, steps=10, eval_every=5)
+    timing_settings = dataclasses.replace(settings, steps=args.timing_steps, val_batches=0)
+
+    def settings_of(group: str) -> Settings:
+        return timing_settings if group == "timing" else settings
+
     queue = quick_specs() if args.quick else sweep_specs(args)
     selected = [s for s in queue if args.quick or s.group in wanted or s.name in wanted]
     try:
@@ -945,7 +987,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(s.name, s.group, "done" if cached(s, settings, runs_dir) else "")
             for group in DEPENDENT:
                 for s in dependent_specs(args, done, group):
-                    print(s.name, s.group, "done" if cached(s, settings, runs_dir) else "")
+                    known = cached(s, settings_of(group), runs_dir)
+                    print(s.name, s.group, "done" if known else "")
             return 0
         failed = False
         if not args.report_only:
@@ -957,7 +1000,7 @@ def main(argv: list[str] | None = None) -> int:
                 done = [r for r in _load_done(runs_dir) if r["group"] != "check"]
                 for spec in dependent_specs(args, done, group):
                     if group in wanted or spec.name in wanted:
-                        failed |= run_one(spec, args, settings, meta) is None
+                        failed |= run_one(spec, args, settings_of(group), meta) is None
     except CacheMismatch as error:
         logger.error("%s", error)
         return 2

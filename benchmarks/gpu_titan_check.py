@@ -66,6 +66,7 @@ def titan_args(args: argparse.Namespace, overrides: list[str]) -> list[str]:
         "--job.dump_folder", str(args.dump),
         "--model.flavor", args.flavor,
         "--model.hf_assets_path", str(args.assets / "tokenizer"),
+        "--training.dataset", "c4_test",
         "--training.dataset_path", str(args.assets / "corpus"),
         "--training.steps", str(args.steps),
         "--training.seq_len", str(args.seq_len),

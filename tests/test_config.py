@@ -9,7 +9,14 @@ from torchtitan.config.manager import ConfigManager
 
 from tests.models import batch, loss_fn, make_model, proj_predicate
 from torchtitan_dmuon import AdamWConfig, Muon, MuonConfig
-from torchtitan_dmuon.titan.config import DMuon
+from torchtitan_dmuon.titan.config import (
+    DECAY_PER_STEP_BOUND,
+    ORIGINAL_LR,
+    ORIGINAL_WEIGHT_DECAY,
+    DMuon,
+    log_decay,
+    muon_recipe,
+)
 
 
 def _trained(optimizer_of) -> dict[str, torch.Tensor]:
@@ -84,15 +91,57 @@ def test_python_spellings_are_normalized_and_the_config_is_frozen():
         config.lr = 1.0
 
 
+def test_unset_lr_and_weight_decay_follow_adjust_lr_fn(caplog):
+    """What [dmuon] leaves unset: original and spectral take Muon's own lr and weight decay
+    whatever [optimizer] says (AdamW's 0.1 at Muon's lr 0.02 decays 67x harder than at
+    AdamW's 3e-4), match_rms_adamw takes [optimizer]'s lr and weight decay (the drop-in);
+    a value set in [dmuon] wins. The startup line gives each group's decay per step at the
+    peak lr and warns, naming the group, past the bound the sweep supports."""
+    for fn in ("original", "spectral"):
+        recipe = muon_recipe(DMuon(adjust_lr_fn=fn), 3e-4, 0.1)
+        assert (recipe.lr, recipe.weight_decay) == (ORIGINAL_LR, ORIGINAL_WEIGHT_DECAY)
+        assert recipe.weight_decay_from == f"unset: the default of adjust_lr_fn '{fn}'"
+    dropin = muon_recipe(DMuon(adjust_lr_fn="match_rms_adamw"), 3e-4, 0.1)
+    assert (dropin.lr, dropin.weight_decay) == (3e-4, 0.1)
+    assert dropin.lr_from == "unset: [optimizer]'s, as match_rms_adamw carries AdamW's over"
+    given = muon_recipe(DMuon(lr=0.04, weight_decay=0.0, adjust_lr_fn="match_rms_adamw"), 3e-4, 0.1)
+    assert (given.lr, given.weight_decay) == (0.04, 0.0)
+    assert (given.lr_from, given.weight_decay_from) == ("[dmuon] lr", "[dmuon] weight_decay")
+
+    caplog.set_level("INFO", logger="torchtitan_dmuon.titan.config")
+    log_decay(muon_recipe(DMuon(), 3e-4, 0.1), 3e-4, 0.1)
+    decay = f"{ORIGINAL_LR * ORIGINAL_WEIGHT_DECAY:.2g}"
+    assert caplog.messages == [
+        f"DMuon recipe: the Muon matrices: lr {ORIGINAL_LR:g}, weight decay "
+        f"{ORIGINAL_WEIGHT_DECAY:g} (lr unset: the default of adjust_lr_fn 'original'; "
+        f"weight_decay unset: the default of adjust_lr_fn 'original'): {decay} decayed per "
+        f"step at the peak lr; the AdamW parameters: lr 0.0003, weight decay 0.1 "
+        f"([optimizer]): 3e-05 decayed per step at the peak lr"
+    ]
+    caplog.clear()
+    heavy = 2 * DECAY_PER_STEP_BOUND / ORIGINAL_LR
+    log_decay(muon_recipe(DMuon(weight_decay=heavy), 3e-4, 0.1), 3e-4, 0.1)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1
+    assert warnings[0].startswith(
+        f"DMuon: the Muon matrices lose {2 * DECAY_PER_STEP_BOUND:.2g} of their value per step"
+    )
+    assert f"more than {DECAY_PER_STEP_BOUND:g}" in warnings[0]
+
+
 def test_the_dmuon_section_is_a_muon_config_and_declares_none_of_its_fields():
     """A setting is declared once: the [dmuon] section inherits every MuonConfig field
-    (type, default, docstring, check) and adds only what the trainer alone reads; the one
-    it redeclares is weight_decay, whose default there is unset (``[optimizer]``'s)."""
+    (type, default, docstring, check) and adds only what the trainer alone reads; the two
+    it redeclares are lr and weight_decay, unset there (``muon_recipe``'s rule fills them)."""
     muon_fields = {f.name for f in dataclasses.fields(MuonConfig)}
     assert issubclass(DMuon, MuonConfig)
     assert muon_fields <= {f.name for f in dataclasses.fields(DMuon)}
-    assert muon_fields & set(DMuon.__dict__.get("__annotations__", {})) == {"weight_decay"}
+    redeclared = muon_fields & set(DMuon.__dict__.get("__annotations__", {}))
+    assert redeclared == {"lr", "weight_decay"}
     assert DMuon().weight_decay is None and MuonConfig().weight_decay == 0.0
+    assert DMuon().lr is None and MuonConfig().lr == 0.02
+    with pytest.raises(ValueError, match=r"^\[dmuon\] lr must be >= 0.0"):
+        DMuon(lr=-0.1)
     with pytest.raises(ValueError, match=r"^\[dmuon\] weight_decay must be >= 0.0"):
         DMuon(weight_decay=-0.1)
     with pytest.raises(ValueError, match=r"^\[dmuon\] momentum must be \[0.0, 1.0\)"):
@@ -106,7 +155,7 @@ def test_the_toml_section_parses_to_the_config_muon_takes(tmp_path):
     toml.write_text(
         '[job]\ncustom_config_module = "torchtitan_dmuon.titan.config"\n'
         "[dmuon]\nns_coefficients = [[3.0, -3.2, 1.2], [3.4445, -4.775, 2.0315]]\n"
-        "momentum = 0.9\nweight_decay = 0.05\n"
+        "momentum = 0.9\nweight_decay = 0.05\nlr = 0.01\n"
     )
     job = ConfigManager().parse_args(
         ["--job.config_file", str(toml), "--dmuon.eps", "1e-6", "--dmuon.ns_dtype", "float32"]
@@ -117,7 +166,7 @@ def test_the_toml_section_parses_to_the_config_muon_takes(tmp_path):
     assert (section.momentum, section.eps, section.ns_dtype) == (0.9, 1e-6, "float32")
     optimizer = Muon(make_model(), section, predicate=proj_predicate)
     assert optimizer.config == MuonConfig(
-        momentum=0.9, weight_decay=0.05, eps=1e-6, ns_dtype="float32",
+        lr=0.01, momentum=0.9, weight_decay=0.05, eps=1e-6, ns_dtype="float32",
         ns_coefficients=section.ns_coefficients,
     )  # fmt: skip
     assert optimizer.ns.schedule.coefficients[-1] == (3.4445, -4.775, 2.0315)
@@ -130,7 +179,7 @@ def test_the_toml_section_parses_to_the_config_muon_takes(tmp_path):
         ('nesterov = "false"', "[dmuon] nesterov must be a bool, got 'false'"),
         ('reshard_after_forward = "false"', "[dmuon] reshard_after_forward must be a bool or None"),
         ('params = "layers.*.attention.wq.weight"', "[dmuon] params must be a list of str"),
-        ('lr = "0.02"', "[dmuon] lr must be a float, got '0.02'"),
+        ('lr = "0.02"', "[dmuon] lr must be a float or None, got '0.02'"),
         ("ns_steps = 5.0", "[dmuon] ns_steps must be an int, got 5.0"),
         ("split_backward_with_fsdp = 1", "[dmuon] split_backward_with_fsdp must be a bool, got 1"),
         ("ns_coefficients = [[1, 2]]", "[dmuon] ns_coefficients must be one of"),

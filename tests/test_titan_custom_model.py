@@ -19,6 +19,7 @@ from tests.test_titan_dry_run import plan_report
 from tests.test_titan_integration import SHORT, run_train
 from tests.workers import reference_setup
 from torchtitan_dmuon.titan import train_spec
+from torchtitan_dmuon.titan.config import muon_recipe
 from torchtitan_dmuon.titan.parallelize import resolve_selection, with_dedication
 
 CONFIG = "train_configs/debug_cpu.toml"
@@ -137,10 +138,11 @@ def _reference(steps: int, cfg) -> tuple[list[float], dict[str, torch.Tensor]]:
     muon = [p for n, p in model.named_parameters() if n in SELECTED]
     rest = [p for n, p in model.named_parameters() if n not in SELECTED]
     opt = cfg.optimizer
+    recipe = muon_recipe(cfg.dmuon, opt.lr, opt.weight_decay)
     optimizers = [
         torch.optim.Muon(
-            muon, lr=cfg.dmuon.lr, momentum=cfg.dmuon.momentum, nesterov=True,
-            weight_decay=opt.weight_decay, ns_steps=cfg.dmuon.ns_steps,
+            muon, lr=recipe.lr, momentum=cfg.dmuon.momentum, nesterov=True,
+            weight_decay=recipe.weight_decay, ns_steps=cfg.dmuon.ns_steps,
         ),
         torch.optim.AdamW(
             rest, lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps,

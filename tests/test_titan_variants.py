@@ -23,6 +23,7 @@ from tests.test_titan_expert_parallel import (
 )
 from tests.test_titan_integration import PLAIN, SHORT, run_train, shared_run
 from tests.test_titan_pipeline import DP2, from_seed, pp, resume_from
+from torchtitan_dmuon.titan.config import ORIGINAL_WEIGHT_DECAY
 
 NORMUON = ["--dmuon.variant", "normuon"]
 # TorchTitan's debug models start with logits of about 0.6 (weights of std 0.02): every
@@ -54,7 +55,7 @@ def test_qk_clip_trains_llama3_eager_and_compiled_and_deepseek_mla(tmp_path_fact
     (PP 2 x DP 2) the logged figures are the whole model's. The deepseek_v3 debug
     MoE (MLA: q_nope, q_pe and k_nope rows rescaled) trains with QK-clip at 0.5, clipping
     heads; with [optimizer] weight_decay 0.1 and [dmuon] weight_decay unset, the Muon
-    matrices decay by 0.1 too (logged)."""
+    matrices take adjust_lr_fn original's own decay, not AdamW's (logged)."""
     plain = shared_run(PLAIN, 2, tmp_path_factory)
     eager = run_train([*PLAIN, *QK_CLIP], 2, tmp_path / "eager", "train_configs/debug_cpu.toml")
     compiled = run_train(
@@ -91,7 +92,8 @@ def test_qk_clip_trains_llama3_eager_and_compiled_and_deepseek_mla(tmp_path_fact
     assert len(staged_metrics) == 2 and staged_metrics[0][1] == 6 * 16, staged_metrics
     assert 0.6 < staged_metrics[0][0] < 1.0 and staged_metrics[1][0] < 0.75 * staged_metrics[0][0]
 
-    # Also: [dmuon] weight_decay unset follows [optimizer] weight_decay.
+    # Also: [dmuon] lr and weight_decay unset take adjust_lr_fn original's, whatever
+    # [optimizer] weight_decay is.
     deepseek = run_train(
         ["--training.steps", "3", "--metrics.log_freq", "1", "--dmuon.qk_clip_threshold", "0.5",
          "--optimizer.weight_decay", "0.1"],
@@ -99,9 +101,10 @@ def test_qk_clip_trains_llama3_eager_and_compiled_and_deepseek_mla(tmp_path_fact
     )  # fmt: skip
     assert deepseek.returncode == 0, deepseek.output[-4000:]
     assert (
-        "DMuon weight decay: 0.1 on the Muon matrices ([optimizer] weight_decay; [dmuon] "
-        "weight_decay unset), 0.1 on the AdamW parameters" in deepseek.output
+        f"DMuon recipe: the Muon matrices: lr 0.02, weight decay {ORIGINAL_WEIGHT_DECAY:g} (lr "
+        "[dmuon] lr; weight_decay unset: the default of adjust_lr_fn 'original')" in deepseek.output
     )
+    assert "the AdamW parameters: lr 0.003, weight decay 0.1 ([optimizer])" in deepseek.output
     assert deepseek.losses[3] < deepseek.losses[1]
     ds_metrics = _qk_metrics(deepseek.output)
     assert len(ds_metrics) == 3 and all(heads > 0 for _, heads in ds_metrics), ds_metrics

@@ -5,8 +5,8 @@ point ``torchtitan_dmuon.titan.train`` sets it), so every field below is a TOML 
 (``[dmuon] ns_steps = 5``) and a flag (``--dmuon.ns_steps 5``) with this docstring as its
 ``--help`` text. DMuon is switched on by ``[optimizer] name = "DMuon"``; AdamW, which takes
 every parameter DMuon does not, keeps TorchTitan's own ``[optimizer]`` lr, beta1, beta2,
-eps and weight_decay; ``[optimizer] weight_decay`` is also the Muon matrices' unless
-``[dmuon] weight_decay`` is set.
+eps and weight_decay. What the Muon matrices get when ``[dmuon]`` leaves their lr or
+weight decay unset is :func:`muon_recipe`'s rule.
 
 The section is a :class:`~torchtitan_dmuon.optim.config.MuonConfig`, the same object
 ``Muon`` takes in Python: a setting is declared once, there. Choice fields are
@@ -15,10 +15,13 @@ The section is a :class:`~torchtitan_dmuon.optim.config.MuonConfig`, the same ob
 check).
 """
 
+import logging
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from torchtitan_dmuon.optim.config import MuonConfig
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_PARAM_PATTERNS = (
     "layers.*.attention.w[qkvo].weight",
@@ -102,10 +105,19 @@ class DMuon(MuonConfig):
 
     where: ClassVar[str] = "[dmuon] "
 
+    lr: float | None = None
+    """Muon learning rate (before adjust_lr_fn); an LR scheduler scales it like AdamW's.
+    Unset: 0.02 (Keller Jordan's) with adjust_lr_fn original or spectral; [optimizer] lr
+    with match_rms_adamw, whose per-shape scale makes AdamW's lr carry over."""
+
     weight_decay: float | None = None
-    """Decoupled weight decay of the Muon matrices. Unset: [optimizer] weight_decay, so one
-    setting decays every parameter, as with TorchTitan's AdamW (the startup log prints
-    what each group gets)."""
+    """Decoupled weight decay of the Muon matrices (each step multiplies them by 1 - lr x
+    weight_decay). Unset: 0.01 (the Muon reference recipe's) with adjust_lr_fn original or
+    spectral, never [optimizer] weight_decay (at Muon's lr AdamW's 0.1 would decay them
+    tens of times harder than AdamW's own parameters); [optimizer] weight_decay with
+    match_rms_adamw, whose lr is AdamW's. The startup line ("DMuon recipe:") gives each
+    group's lr x weight_decay, the fraction decayed per step at the peak lr, and warns
+    past 1e-3, the most the convergence sweep supports."""
 
     params: list[str] = field(default_factory=list)
     """Glob patterns over parameter names (activation-checkpoint and compile wrapper
@@ -194,6 +206,89 @@ class DMuon(MuonConfig):
             )
         if not 0.0 <= self.qk_clip_alpha <= 1.0:
             raise ValueError(f"[dmuon] qk_clip_alpha must be in [0, 1], got {self.qk_clip_alpha}")
+
+
+ORIGINAL_LR = 0.02
+"""The Muon matrices' lr under adjust_lr_fn original or spectral when [dmuon] lr is unset."""
+
+ORIGINAL_WEIGHT_DECAY = 0.01
+"""Their weight decay under adjust_lr_fn original or spectral when [dmuon] weight_decay is
+unset (docs/benchmarks.md#the-recipe: the sweep at two sizes it comes from)."""
+
+DECAY_PER_STEP_BOUND = 1e-3
+"""The largest lr x weight_decay (the fraction of a parameter decayed per step at the peak
+lr) the convergence sweep supports; past it the startup line warns."""
+
+
+@dataclass(frozen=True)
+class MuonRecipe:
+    """The lr and weight decay the Muon matrices train with, and where each came from.
+
+    Attributes:
+        lr: Muon's lr (before adjust_lr_fn).
+        weight_decay: Muon's decoupled weight decay.
+        lr_from: What set ``lr``, for the startup line.
+        weight_decay_from: What set ``weight_decay``.
+    """
+
+    lr: float
+    weight_decay: float
+    lr_from: str
+    weight_decay_from: str
+
+
+def muon_recipe(dmuon: DMuon, optimizer_lr: float, optimizer_weight_decay: float) -> MuonRecipe:
+    """The rule for what ``[dmuon]`` leaves unset: per ``adjust_lr_fn``, never a setting
+    multiplied by another's scale. ``match_rms_adamw`` scales each update to AdamW's RMS,
+    so AdamW's lr and weight decay carry over as they are (Moonlight's drop-in recipe);
+    ``original`` and ``spectral`` take Muon's own lr, 0.02, about 7-70x an AdamW lr, so
+    they take their own weight decay too.
+
+    Args:
+        dmuon: The ``[dmuon]`` section.
+        optimizer_lr: ``[optimizer] lr``.
+        optimizer_weight_decay: ``[optimizer] weight_decay``.
+
+    Returns:
+        The Muon matrices' lr and weight decay.
+    """
+    if dmuon.adjust_lr_fn == "match_rms_adamw":
+        defaults = (optimizer_lr, optimizer_weight_decay)
+        why = "[optimizer]'s, as match_rms_adamw carries AdamW's over"
+    else:
+        defaults = (ORIGINAL_LR, ORIGINAL_WEIGHT_DECAY)
+        why = f"the default of adjust_lr_fn {dmuon.adjust_lr_fn!r}"
+    given = {"lr": dmuon.lr, "weight_decay": dmuon.weight_decay}
+    values = [v if v is not None else d for v, d in zip(given.values(), defaults, strict=True)]
+    sources = [f"[dmuon] {k}" if v is not None else f"unset: {why}" for k, v in given.items()]
+    return MuonRecipe(*values, *sources)
+
+
+def log_decay(recipe: MuonRecipe, adamw_lr: float, adamw_weight_decay: float) -> None:
+    """Logs each group's lr, weight decay and decay per step at the peak lr, and warns
+    where that passes ``DECAY_PER_STEP_BOUND``."""
+    groups = (
+        ("the Muon matrices", recipe.lr, recipe.weight_decay,
+         f"lr {recipe.lr_from}; weight_decay {recipe.weight_decay_from}"),
+        ("the AdamW parameters", adamw_lr, adamw_weight_decay, "[optimizer]"),
+    )  # fmt: skip
+    logger.info(
+        "DMuon recipe: %s",
+        "; ".join(
+            f"{who}: lr {lr:g}, weight decay {wd:g} ({source}): {lr * wd:.2g} decayed per "
+            f"step at the peak lr"
+            for who, lr, wd, source in groups
+        ),
+    )
+    for who, lr, wd, _ in groups:
+        if lr * wd > DECAY_PER_STEP_BOUND:
+            logger.warning(
+                "DMuon: %s lose %.2g of their value per step to weight decay at the peak lr "
+                "(lr %g x weight_decay %g), more than %g, the most the convergence sweep "
+                "supports (docs/benchmarks.md#the-recipe); over a long run decay alone "
+                "shrinks them by exp(-(sum of lr x weight_decay over the steps))",
+                who, lr * wd, lr, wd, DECAY_PER_STEP_BOUND,
+            )  # fmt: skip
 
 
 @dataclass

@@ -32,16 +32,18 @@ field below is a TOML key (`[dmuon] ns_steps = 5`) and a flag (`--dmuon.ns_steps
 `--help` with `--job.custom_config_module torchtitan_dmuon.titan.config` prints the same
 text. A value outside a field's choices or range is refused while TorchTitan parses the
 config, before any model is built. AdamW, which takes every parameter DMuon does not,
-keeps TorchTitan's own `[optimizer]` lr, beta1, beta2, eps and weight_decay. Weight decay
-has one rule: `[optimizer] weight_decay` decays every parameter, the Muon matrices
-included, unless `[dmuon] weight_decay` sets theirs; the startup log's `DMuon weight
-decay:` line says what each group got.
+keeps TorchTitan's own `[optimizer]` lr, beta1, beta2, eps and weight_decay. What the Muon
+matrices get when `[dmuon]` leaves `lr` or `weight_decay` unset depends on `adjust_lr_fn`,
+and no setting is ever applied at another's scale: `original` (the default) and
+`spectral` take Muon's own lr 0.02 and weight decay 0.01; `match_rms_adamw` takes
+`[optimizer]`'s lr and weight decay as they are. The startup log's `DMuon recipe:` line
+says what each group got and its decay per step.
 
 **From an AdamW config.** Keep `[optimizer]` as it is (AdamW's lr and weight decay now
-apply to the embeddings, norms and output head only, and `[optimizer] weight_decay` also
-decays the Muon matrices unless `[dmuon] weight_decay` is set); start `[dmuon] lr` at
-Muon's default 0.02, or set `adjust_lr_fn = "match_rms_adamw"` to carry AdamW's lr over
-(the measured lr sweep is in [benchmarks.md](benchmarks.md)).
+apply to the embeddings, norms and output head) and leave `[dmuon] lr` and
+`weight_decay` unset: the Muon matrices train at Muon's 0.02 with weight decay 0.01.
+Or set `adjust_lr_fn = "match_rms_adamw"` to carry AdamW's lr and weight decay over to
+them unchanged (the measured sweep is in [benchmarks.md](benchmarks.md#the-recipe)).
 """
 
 SECTIONS = [

@@ -32,6 +32,7 @@ from torchtitan_dmuon.optim.muon import SECOND_MOMENT
 from torchtitan_dmuon.optim.normuon import second_moment_shape
 from torchtitan_dmuon.optimizer import Muon
 from torchtitan_dmuon.titan.checkpoint import as_saved, load_state_into
+from torchtitan_dmuon.titan.config import log_decay, muon_recipe
 from torchtitan_dmuon.titan.parallelize import clean_fqn, dmuon_settings, muon_predicate
 from torchtitan_dmuon.titan.qk_clip import build_qk_clip
 
@@ -46,13 +47,11 @@ then)."""
 
 def _build_muon(model: nn.Module, optimizer_config, parallel_dims) -> Muon:
     """The part's ``Muon``: the ``[dmuon]`` section is its :class:`MuonConfig` (checked at
-    parse time; ``weight_decay`` unset: ``[optimizer]``'s); AdamW's settings are
+    parse time; lr and weight decay unset: :func:`muon_recipe`'s); AdamW's settings are
     TorchTitan's ``[optimizer]``."""
     settings = dmuon_settings(model)
-    muon_decay = "[dmuon] weight_decay"
-    if settings.weight_decay is None:
-        settings = dataclasses.replace(settings, weight_decay=optimizer_config.weight_decay)
-        muon_decay = "[optimizer] weight_decay; [dmuon] weight_decay unset"
+    recipe = muon_recipe(settings, optimizer_config.lr, optimizer_config.weight_decay)
+    settings = dataclasses.replace(settings, lr=recipe.lr, weight_decay=recipe.weight_decay)
     adamw = AdamWConfig(
         lr=optimizer_config.lr,
         betas=(optimizer_config.beta1, optimizer_config.beta2),
@@ -63,13 +62,7 @@ def _build_muon(model: nn.Module, optimizer_config, parallel_dims) -> Muon:
         fused=optimizer_config.implementation == "fused",
     )
     dedicated = get_dedication(model) is not None
-    logger.info(
-        "DMuon weight decay: %g on the Muon matrices (%s), %g on the AdamW parameters "
-        "([optimizer] weight_decay)",
-        settings.weight_decay,
-        muon_decay,
-        adamw.weight_decay,
-    )
+    log_decay(recipe, adamw.lr, adamw.weight_decay)
     return Muon(
         model,
         settings,
