@@ -49,8 +49,9 @@ def _toml(path: pathlib.Path) -> dict:
 
 def test_gpu_configs_train_on_c4_with_the_models_tokenizer():
     """Each GPU config (named by its tokenizer folder under ./assets/hf/) trains on c4 with
-    the model's own tokenizer, which scripts/fetch_hf_assets.py knows how to fetch; the
-    CPU and debug configs keep the offline corpus and tokenizer scripts/setup.sh builds."""
+    the model's own tokenizer, which scripts/fetch_hf_assets.py knows how to fetch, and
+    leaves the Muon matrices' lr and weight decay to the recipe; the CPU and debug configs
+    keep the offline corpus and tokenizer scripts/setup.sh builds."""
     assert len(GPU_CONFIGS) == 15
     fetched = fetch_hf_assets.plan(GPU_CONFIGS)
     assert len(set(fetched.values())) == 9  # 9 models: llama3 and qwen3 8B in 4 layouts each
@@ -61,6 +62,8 @@ def test_gpu_configs_train_on_c4_with_the_models_tokenizer():
             assert training["dataset"] == "c4" and "dataset_path" not in training, path
             assert (model["name"], model["flavor"]) in DEBUG_FLAVORS, path
             assert "scripts/fetch_hf_assets.py" in path.read_text(), path
+            # The recipe: [dmuon] leaves the Muon matrices' lr and decay to muon_recipe.
+            assert not {"lr", "weight_decay"} & set(config["dmuon"]), path
         elif model["name"] != "vlm":
             assert model["hf_assets_path"] == "./assets/tokenizer", path
             assert training["dataset_path"].startswith("./assets/"), path
