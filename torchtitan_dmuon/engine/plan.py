@@ -224,8 +224,11 @@ def assign_owners(
     Items are taken by decreasing cost (ties: input order). Each goes to the rank that
     holds the fewest items of its boundary so far, and among those to the least loaded
     rank (ties: lowest rank); a stack's piece only to a rank without a piece of that
-    stack. ``initial_load`` is each rank's cost before these items (what it already owns
-    in another dedication domain).
+    stack. Spreading a boundary first leaves the busiest rank up to ~9% above a plain
+    longest-first plan (4 ranks, Llama-3 proportions), so :func:`_swap_down` then swaps
+    items of one boundary between the busiest rank and another while that lowers it:
+    each rank keeps its count of every boundary's items. ``initial_load`` is each rank's
+    cost before these items (what it already owns in another dedication domain).
 
     Raises:
         ValueError: a stack has more pieces than there are ranks.
@@ -253,7 +256,55 @@ def assign_owners(
         taken.add(owner)
         held[owner] += 1
         load[owner] += items[i].cost
+    _swap_down(items, owners, load)
     return owners
+
+
+def _swap_down(items: Sequence[PartitionItem], owners: list[int], load: list[int]) -> None:
+    """Swaps, in place, a costlier item of the busiest rank with a cheaper one of the same
+    boundary on another rank, the swap leaving the pair's larger load lowest, until no
+    swap lowers the busiest rank (each swap lowers the sorted loads, so this ends). A
+    stack's piece moves only to a rank without a piece of that stack."""
+    stacks: list[set[int]] = [set() for _ in load]
+    by_boundary: dict[int, list[int]] = defaultdict(list)
+    for index, (item, owner) in enumerate(zip(items, owners, strict=True)):
+        by_boundary[item.boundary].append(index)
+        if item.stack is not None:
+            stacks[owner].add(item.stack)
+
+    def movable(item: PartitionItem, other: PartitionItem, to: int) -> bool:
+        return item.stack is None or item.stack == other.stack or item.stack not in stacks[to]
+
+    while True:
+        busiest = max(range(len(load)), key=lambda r: (load[r], -r))
+        best = None
+        for i, item in enumerate(items):
+            if owners[i] != busiest:
+                continue
+            for j in by_boundary[item.boundary]:
+                other, rank = items[j], owners[j]
+                if rank == busiest or other.cost >= item.cost:
+                    continue
+                if not (movable(item, other, rank) and movable(other, item, busiest)):
+                    continue
+                moved = item.cost - other.cost
+                peak = max(load[busiest] - moved, load[rank] + moved)
+                if peak < load[busiest] and (best is None or peak < best[0]):
+                    best = (peak, i, j)
+        if best is None:
+            return
+        _, i, j = best
+        busy, rank = owners[i], owners[j]
+        moves = ((items[i].stack, busy, rank), (items[j].stack, rank, busy))
+        for stack, away, _ in moves:
+            stacks[away].discard(stack)
+        for stack, _, to in moves:
+            if stack is not None:
+                stacks[to].add(stack)
+        moved = items[i].cost - items[j].cost
+        load[busy] -= moved
+        load[rank] += moved
+        owners[i], owners[j] = rank, busy
 
 
 def rank_loads(items: Sequence[PartitionItem], owners: Sequence[int], num_ranks: int) -> list[int]:
