@@ -77,6 +77,8 @@ import time
 
 import torch
 
+from torchtitan_dmuon.titan.config import ORIGINAL_LR, ORIGINAL_WEIGHT_DECAY
+
 logger = logging.getLogger("bench_convergence")
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -655,11 +657,18 @@ def _machine_key(record: dict) -> tuple:
 RECIPES = (
     ("AdamW, best of the sweep", ("adamw",), ("sweep",)),
     ("DMuon original, best of the sweep", ("dmuon",), ("sweep",)),
+    (
+        f"DMuon as shipped ([dmuon] lr and weight_decay unset: {ORIGINAL_LR:g}, "
+        f"{ORIGINAL_WEIGHT_DECAY:g})",
+        ("dmuon",),
+        ("sweep",),
+    ),
     ("DMuon drop-in (match_rms_adamw, AdamW's settings)", ("dropin",), ("dropin",)),
     ("NorMuon at the best DMuon settings", ("normuon", "normuon_dropin"), ("normuon",)),
     ("QK-clip at the best DMuon settings", None, ("qkclip",)),
 )
-"""The report's recipe rows: label, kinds (None: any), and the group of the seed-42 run."""
+"""The report's recipe rows: label, kinds (None: any), and the group of the seed-42 run
+(the best such run; "as shipped": the one at the defaults ``muon_recipe`` gives)."""
 
 
 def _seeds_of(results: list[dict], run: dict) -> list[dict]:
@@ -758,11 +767,17 @@ def report(
     timed = adamw is not None and _timed_step_s(results, adamw) is not None
     rows = []
     for label, kinds, group in RECIPES:
+        shipped = label.startswith("DMuon as shipped")
         run = next(
             (
                 r
                 for r in sorted(results, key=_final)
-                if r["group"] in group and (kinds is None or r["kind"] in kinds)
+                if r["group"] in group
+                and (kinds is None or r["kind"] in kinds)
+                and (
+                    not shipped
+                    or (r["lr"], r["weight_decay"]) == (ORIGINAL_LR, ORIGINAL_WEIGHT_DECAY)
+                )
             ),
             None,
         )
@@ -789,10 +804,12 @@ def report(
             else:
                 ratio = steps / own
                 step_s, own_step_s = run["step_s"], adamw["step_s"]
+                note = "" if _machine_key(run) == _machine_key(adamw) else " (other machine)"
                 if timed and entry["timed_step_s"] is not None:
                     step_s, own_step_s = entry["timed_step_s"], _timed_step_s(results, adamw)
+                elif timed:  # not in the timing rounds: both runs' own step times
+                    note += " (runs' own s/step)"
                 wall, own_wall = steps * step_s, own * own_step_s
-                note = "" if _machine_key(run) == _machine_key(adamw) else " (other machine)"
                 reach = [
                     f"{steps:.0f} ({ratio:.2f}x)",
                     f"{wall:.0f} ({wall / own_wall:.2f}x){note}",
