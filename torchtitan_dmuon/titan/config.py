@@ -213,7 +213,8 @@ ORIGINAL_LR = 0.02
 
 ORIGINAL_WEIGHT_DECAY = 0.01
 """Their weight decay under adjust_lr_fn original or spectral when [dmuon] weight_decay is
-unset (docs/benchmarks.md#the-recipe: the sweep at two sizes it comes from)."""
+unset: the Muon reference recipe's, kept provisionally (docs/benchmarks.md#the-recipe: at
+the debug size 0.01 ended level with no decay and 0.1 lower; the larger size decides)."""
 
 DECAY_PER_STEP_BOUND = 4e-3
 """The largest lr x weight_decay (the fraction of a parameter decayed per step at the peak
