@@ -655,20 +655,21 @@ def _machine_key(record: dict) -> tuple:
 
 
 RECIPES = (
-    ("AdamW, best of the sweep", ("adamw",), ("sweep",)),
-    ("DMuon original, best of the sweep", ("dmuon",), ("sweep",)),
+    ("AdamW, best of the sweep", ("adamw",), ("sweep",), None),
+    ("DMuon original, best of the sweep", ("dmuon",), ("sweep",), None),
     (
         f"DMuon as shipped ([dmuon] lr and weight_decay unset: {ORIGINAL_LR:g}, "
         f"{ORIGINAL_WEIGHT_DECAY:g})",
         ("dmuon",),
         ("sweep",),
+        (ORIGINAL_LR, ORIGINAL_WEIGHT_DECAY),
     ),
-    ("DMuon drop-in (match_rms_adamw, AdamW's settings)", ("dropin",), ("dropin",)),
-    ("NorMuon at the best DMuon settings", ("normuon", "normuon_dropin"), ("normuon",)),
-    ("QK-clip at the best DMuon settings", None, ("qkclip",)),
+    ("DMuon drop-in (match_rms_adamw, AdamW's settings)", ("dropin",), ("dropin",), None),
+    ("NorMuon at the best DMuon settings", ("normuon", "normuon_dropin"), ("normuon",), None),
+    ("QK-clip at the best DMuon settings", None, ("qkclip",), None),
 )
-"""The report's recipe rows: label, kinds (None: any), and the group of the seed-42 run
-(the best such run; "as shipped": the one at the defaults ``muon_recipe`` gives)."""
+"""The report's recipe rows: label, kinds (None: any), the group of the seed-42 run, and
+its (lr, weight decay) (None: the best such run)."""
 
 
 def _seeds_of(results: list[dict], run: dict) -> list[dict]:
@@ -766,18 +767,14 @@ def report(
     adamw = best_run(results, ("adamw",), ("sweep",))
     timed = adamw is not None and _timed_step_s(results, adamw) is not None
     rows = []
-    for label, kinds, group in RECIPES:
-        shipped = label.startswith("DMuon as shipped")
+    for label, kinds, group, pinned in RECIPES:
         run = next(
             (
                 r
                 for r in sorted(results, key=_final)
                 if r["group"] in group
                 and (kinds is None or r["kind"] in kinds)
-                and (
-                    not shipped
-                    or (r["lr"], r["weight_decay"]) == (ORIGINAL_LR, ORIGINAL_WEIGHT_DECAY)
-                )
+                and (pinned is None or (r["lr"], r["weight_decay"]) == pinned)
             ),
             None,
         )

@@ -14,9 +14,9 @@ from torchtitan_dmuon.titan.config import (
     ORIGINAL_LR,
     ORIGINAL_WEIGHT_DECAY,
     DMuon,
-    log_decay,
     muon_recipe,
 )
+from torchtitan_dmuon.titan.optimizer import log_decay
 
 
 def _trained(optimizer_of) -> dict[str, torch.Tensor]:
@@ -108,7 +108,7 @@ def test_unset_lr_and_weight_decay_follow_adjust_lr_fn(caplog):
     assert (given.lr, given.weight_decay) == (0.04, 0.0)
     assert (given.lr_from, given.weight_decay_from) == ("[dmuon] lr", "[dmuon] weight_decay")
 
-    caplog.set_level("INFO", logger="torchtitan_dmuon.titan.config")
+    caplog.set_level("INFO", logger="torchtitan_dmuon.titan.optimizer")
     log_decay(muon_recipe(DMuon(), 3e-4, 0.1), 3e-4, 0.1)
     decay = f"{ORIGINAL_LR * ORIGINAL_WEIGHT_DECAY:.2g}"
     assert caplog.messages == [

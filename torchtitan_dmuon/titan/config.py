@@ -15,13 +15,10 @@ The section is a :class:`~torchtitan_dmuon.optim.config.MuonConfig`, the same ob
 check).
 """
 
-import logging
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from torchtitan_dmuon.optim.config import MuonConfig
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_PARAM_PATTERNS = (
     "layers.*.attention.w[qkvo].weight",
@@ -264,33 +261,6 @@ def muon_recipe(dmuon: DMuon, optimizer_lr: float, optimizer_weight_decay: float
     values = [v if v is not None else d for v, d in zip(given.values(), defaults, strict=True)]
     sources = [f"[dmuon] {k}" if v is not None else f"unset: {why}" for k, v in given.items()]
     return MuonRecipe(*values, *sources)
-
-
-def log_decay(recipe: MuonRecipe, adamw_lr: float, adamw_weight_decay: float) -> None:
-    """Logs each group's lr, weight decay and decay per step at the peak lr, and warns
-    where that passes ``DECAY_PER_STEP_BOUND``."""
-    groups = (
-        ("the Muon matrices", recipe.lr, recipe.weight_decay,
-         f"lr {recipe.lr_from}; weight_decay {recipe.weight_decay_from}"),
-        ("the AdamW parameters", adamw_lr, adamw_weight_decay, "[optimizer]"),
-    )  # fmt: skip
-    logger.info(
-        "DMuon recipe: %s",
-        "; ".join(
-            f"{who}: lr {lr:g}, weight decay {wd:g} ({source}): {lr * wd:.2g} decayed per "
-            f"step at the peak lr"
-            for who, lr, wd, source in groups
-        ),
-    )
-    for who, lr, wd, _ in groups:
-        if lr * wd > DECAY_PER_STEP_BOUND:
-            logger.warning(
-                "DMuon: %s lose %.2g of their value per step to weight decay at the peak lr "
-                "(lr %g x weight_decay %g), more than %g, the most the convergence sweep "
-                "measured (docs/benchmarks.md#the-recipe); over a long run decay alone "
-                "shrinks them by exp(-(sum of lr x weight_decay over the steps))",
-                who, lr * wd, lr, wd, DECAY_PER_STEP_BOUND,
-            )  # fmt: skip
 
 
 @dataclass

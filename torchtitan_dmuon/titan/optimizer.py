@@ -32,7 +32,7 @@ from torchtitan_dmuon.optim.muon import SECOND_MOMENT
 from torchtitan_dmuon.optim.normuon import second_moment_shape
 from torchtitan_dmuon.optimizer import Muon
 from torchtitan_dmuon.titan.checkpoint import as_saved, load_state_into
-from torchtitan_dmuon.titan.config import log_decay, muon_recipe
+from torchtitan_dmuon.titan.config import DECAY_PER_STEP_BOUND, MuonRecipe, muon_recipe
 from torchtitan_dmuon.titan.parallelize import clean_fqn, dmuon_settings, muon_predicate
 from torchtitan_dmuon.titan.qk_clip import build_qk_clip
 
@@ -43,6 +43,33 @@ __all__ = ["DMuonOptimizersContainer", "build_dmuon_optimizers"]
 _MAX_UNLOGGED = 1000
 """Steps whose norms wait for a logging step at most (a loop that never logs reads them
 then)."""
+
+
+def log_decay(recipe: MuonRecipe, adamw_lr: float, adamw_weight_decay: float) -> None:
+    """Logs each group's lr, weight decay and decay per step at the peak lr, and warns
+    where that passes ``DECAY_PER_STEP_BOUND``."""
+    groups = (
+        ("the Muon matrices", recipe.lr, recipe.weight_decay,
+         f"lr {recipe.lr_from}; weight_decay {recipe.weight_decay_from}"),
+        ("the AdamW parameters", adamw_lr, adamw_weight_decay, "[optimizer]"),
+    )  # fmt: skip
+    logger.info(
+        "DMuon recipe: %s",
+        "; ".join(
+            f"{who}: lr {lr:g}, weight decay {wd:g} ({source}): {lr * wd:.2g} decayed per "
+            f"step at the peak lr"
+            for who, lr, wd, source in groups
+        ),
+    )
+    for who, lr, wd, _ in groups:
+        if lr * wd > DECAY_PER_STEP_BOUND:
+            logger.warning(
+                "DMuon: %s lose %.2g of their value per step to weight decay at the peak lr "
+                "(lr %g x weight_decay %g), more than %g, the most the convergence sweep "
+                "measured (docs/benchmarks.md#the-recipe); over a long run decay alone "
+                "shrinks them by exp(-(sum of lr x weight_decay over the steps))",
+                who, lr * wd, lr, wd, DECAY_PER_STEP_BOUND,
+            )  # fmt: skip
 
 
 def _build_muon(model: nn.Module, optimizer_config, parallel_dims) -> Muon:
