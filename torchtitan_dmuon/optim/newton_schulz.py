@@ -119,9 +119,10 @@ def prepare_ns_input(
     """The normalized first iterate of Newton-Schulz, short side first (every backend's
     prologue).
 
-    Copies ``grad`` to ``dtype``, transposes it when it has more rows than columns and
+    Casts ``grad`` to ``dtype``, transposes it when it has more rows than columns and
     divides each matrix by ``schedule.norm_scale`` times its Frobenius norm, clamped at
-    ``eps`` (for 2-D input with the same operations as torch.optim.Muon).
+    ``eps`` (for 2-D input with the same operations as torch.optim.Muon), into a new
+    tensor: ``grad`` is never modified.
 
     Returns:
         ``(x, transposed)``: ``x`` has rows <= cols (a transposed view when ``transposed``);
@@ -132,15 +133,16 @@ def prepare_ns_input(
     """
     if grad.ndim not in (2, 3):
         raise ValueError(f"newton_schulz expects a 2-D matrix or a 3-D batch, got {grad.ndim}-D")
-    x = grad.to(dtype, copy=True)
+    x = grad.to(dtype)
     transposed = x.size(-2) > x.size(-1)
     if transposed:
         x = x.mT
     norm = x.norm() if x.ndim == 2 else x.norm(dim=(-2, -1), keepdim=True)
     if schedule.norm_scale != 1.0:
         norm = norm * schedule.norm_scale
-    x.div_(norm.clamp(min=eps))
-    return x, transposed
+    # Out of place: a new tensor in one pass, where a copy then an in-place division
+    # would make two (``grad`` already in ``dtype``).
+    return x / norm.clamp(min=eps), transposed
 
 
 def newton_schulz(
