@@ -134,15 +134,15 @@ def prepare_ns_input(
     if grad.ndim not in (2, 3):
         raise ValueError(f"newton_schulz expects a 2-D matrix or a 3-D batch, got {grad.ndim}-D")
     x = grad.to(dtype)
+    cast = x is not grad  # a new tensor, divided in place; else the division makes one
     transposed = x.size(-2) > x.size(-1)
     if transposed:
         x = x.mT
     norm = x.norm() if x.ndim == 2 else x.norm(dim=(-2, -1), keepdim=True)
     if schedule.norm_scale != 1.0:
         norm = norm * schedule.norm_scale
-    # Out of place: a new tensor in one pass, where a copy then an in-place division
-    # would make two (``grad`` already in ``dtype``).
-    return x / norm.clamp(min=eps), transposed
+    norm = norm.clamp(min=eps)
+    return (x.div_(norm) if cast else x / norm), transposed
 
 
 def newton_schulz(
