@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.test_titan_integration import ROOT
+from torchtitan_dmuon.titan.optimizer import decay_kept
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_convergence as bench  # noqa: E402
@@ -118,10 +119,12 @@ def test_quick_mode_trains_caches_and_reports(tmp_path):
         assert record["val"][-1]["loss"] < record["val"][0]["loss"] < 9
         assert record["step_s"] > 0 and record["machine"]["cpu_capability"]
     log = (tmp_path / "work/debug/logs/dmuon_lr0.02_wd0.01_s42.log").read_text()
+    kept = decay_kept(0.02, 0.01, [(step + 1) / 10 for step in range(10)])  # warmup 10
     assert (
         "DMuon recipe: the Muon matrices: lr 0.02, weight decay 0.01 (lr [dmuon] lr; "
-        "weight_decay [dmuon] weight_decay): 0.0002 decayed per step at the peak lr; the AdamW "
-        "parameters: lr 0.003, weight decay 0 ([optimizer])"
+        f"weight_decay [dmuon] weight_decay): 0.0002 a step at the peak lr, {kept:.2f} of their "
+        "values left by decay alone after the 10 steps; the AdamW parameters: lr 0.003, weight "
+        "decay 0 ([optimizer])"
     ) in log
     table = (tmp_path / "debug/table.md").read_text()
     adamw = f"{runs['adamw_lr0.003_wd0.1_s42']['final_val_loss']:.4f}"

@@ -24,6 +24,7 @@ from tests.test_titan_expert_parallel import (
 from tests.test_titan_integration import PLAIN, SHORT, run_train, shared_run
 from tests.test_titan_pipeline import DP2, from_seed, pp, resume_from
 from torchtitan_dmuon.titan.config import ORIGINAL_WEIGHT_DECAY
+from torchtitan_dmuon.titan.optimizer import decay_kept
 
 NORMUON = ["--dmuon.variant", "normuon"]
 # TorchTitan's debug models start with logits of about 0.6 (weights of std 0.02): every
@@ -105,6 +106,9 @@ def test_qk_clip_trains_llama3_eager_and_compiled_and_deepseek_mla(tmp_path_fact
         "[dmuon] lr; weight_decay unset: the default of adjust_lr_fn 'original')" in deepseek.output
     )
     assert "the AdamW parameters: lr 0.003, weight decay 0.1 ([optimizer])" in deepseek.output
+    # Over the run's own 3 steps of its lr schedule (TorchTitan cuts warmup 5 to the 3).
+    kept = decay_kept(0.02, ORIGINAL_WEIGHT_DECAY, [1 / 3, 2 / 3, 1.0])
+    assert f"{kept:.2f} of their values left by decay alone after the 3 steps" in deepseek.output
     assert deepseek.losses[3] < deepseek.losses[1]
     ds_metrics = _qk_metrics(deepseek.output)
     assert len(ds_metrics) == 3 and all(heads > 0 for _, heads in ds_metrics), ds_metrics

@@ -113,8 +113,9 @@ class DMuon(MuonConfig):
     spectral, never [optimizer] weight_decay (at Muon's lr AdamW's 0.1 would decay them
     tens of times harder than AdamW's own parameters); [optimizer] weight_decay with
     match_rms_adamw, whose lr is AdamW's. The startup line ("DMuon recipe:") gives each
-    group's lr x weight_decay, the fraction decayed per step at the peak lr, and warns
-    past 4e-3, the most the convergence sweep measured."""
+    group's lr x weight_decay (the fraction decayed per step at the peak lr) and what decay
+    alone leaves of it over the run's lr schedule, and warns below 0.3, the least the
+    convergence sweep measured."""
 
     params: list[str] = field(default_factory=list)
     """Glob patterns over parameter names (activation-checkpoint and compile wrapper
@@ -213,10 +214,11 @@ ORIGINAL_WEIGHT_DECAY = 0.01
 unset: the Muon reference recipe's, kept provisionally (docs/benchmarks.md#the-recipe: at
 the debug size 0.01 ended level with no decay and 0.1 lower; the larger size decides)."""
 
-DECAY_PER_STEP_BOUND = 4e-3
-"""The largest lr x weight_decay (the fraction of a parameter decayed per step at the peak
-lr) the convergence sweep measured (lr 0.04 x 0.1, which trained better than less decay
-at that lr); past it the startup line warns."""
+DECAY_KEPT_BOUND = 0.3
+"""The least fraction of its values that weight decay alone left a group over a run of the
+convergence sweep (lr 0.04 x weight decay 0.1 over 600 steps of warmup and linear decay,
+which trained better than less decay at that lr); a run whose lr schedule and weight decay
+leave less gets a warning at startup."""
 
 
 @dataclass(frozen=True)

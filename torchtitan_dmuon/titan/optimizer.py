@@ -19,6 +19,7 @@ import logging
 import math
 import numbers
 import time
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,43 +33,57 @@ from torchtitan_dmuon.optim.muon import SECOND_MOMENT
 from torchtitan_dmuon.optim.normuon import second_moment_shape
 from torchtitan_dmuon.optimizer import Muon
 from torchtitan_dmuon.titan.checkpoint import as_saved, load_state_into
-from torchtitan_dmuon.titan.config import DECAY_PER_STEP_BOUND, MuonRecipe, muon_recipe
+from torchtitan_dmuon.titan.config import DECAY_KEPT_BOUND, MuonRecipe, muon_recipe
 from torchtitan_dmuon.titan.parallelize import clean_fqn, dmuon_settings, muon_predicate
 from torchtitan_dmuon.titan.qk_clip import build_qk_clip
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DMuonOptimizersContainer", "build_dmuon_optimizers"]
+__all__ = ["DMuonOptimizersContainer", "build_dmuon_optimizers", "decay_kept", "log_decay"]
 
 _MAX_UNLOGGED = 1000
 """Steps whose norms wait for a logging step at most (a loop that never logs reads them
 then)."""
 
 
-def log_decay(recipe: MuonRecipe, adamw_lr: float, adamw_weight_decay: float) -> None:
-    """Logs each group's lr, weight decay and decay per step at the peak lr, and warns
-    where that passes ``DECAY_PER_STEP_BOUND``."""
-    groups = (
-        ("the Muon matrices", recipe.lr, recipe.weight_decay,
-         f"lr {recipe.lr_from}; weight_decay {recipe.weight_decay_from}"),
-        ("the AdamW parameters", adamw_lr, adamw_weight_decay, "[optimizer]"),
-    )  # fmt: skip
+def decay_kept(lr: float, weight_decay: float, lr_factors: Sequence[float]) -> float:
+    """What decoupled weight decay alone leaves of a parameter over steps whose lr is ``lr``
+    times each of ``lr_factors``: the product of ``1 - lr x factor x weight_decay``."""
+    return math.prod(1 - lr * factor * weight_decay for factor in lr_factors)
+
+
+def log_decay(
+    recipe: MuonRecipe, adamw_lr: float, adamw_weight_decay: float, lr_factors: Sequence[float]
+) -> None:
+    """Logs each group's lr and weight decay, the decay per step at the peak lr and what
+    decay alone leaves of its values over the run, whose lr schedule is ``lr_factors`` (the
+    factor of each step); warns, naming the group, where that is less than
+    ``DECAY_KEPT_BOUND``."""
+    steps = len(lr_factors)
+    groups = [
+        (who, lr, wd, source, decay_kept(lr, wd, lr_factors))
+        for who, lr, wd, source in (
+            ("the Muon matrices", recipe.lr, recipe.weight_decay,
+             f"lr {recipe.lr_from}; weight_decay {recipe.weight_decay_from}"),
+            ("the AdamW parameters", adamw_lr, adamw_weight_decay, "[optimizer]"),
+        )
+    ]  # fmt: skip
     logger.info(
         "DMuon recipe: %s",
         "; ".join(
-            f"{who}: lr {lr:g}, weight decay {wd:g} ({source}): {lr * wd:.2g} decayed per "
-            f"step at the peak lr"
-            for who, lr, wd, source in groups
+            f"{who}: lr {lr:g}, weight decay {wd:g} ({source}): {lr * wd:.2g} a step at the "
+            f"peak lr, {kept:.2f} of their values left by decay alone after the {steps} steps"
+            for who, lr, wd, source, kept in groups
         ),
     )
-    for who, lr, wd, _ in groups:
-        if lr * wd > DECAY_PER_STEP_BOUND:
+    for who, lr, wd, _, kept in groups:
+        if kept < DECAY_KEPT_BOUND:
             logger.warning(
-                "DMuon: %s lose %.2g of their value per step to weight decay at the peak lr "
-                "(lr %g x weight_decay %g), more than %g, the most the convergence sweep "
-                "measured (docs/benchmarks.md#the-recipe); over a long run decay alone "
-                "shrinks them by exp(-(sum of lr x weight_decay over the steps))",
-                who, lr * wd, lr, wd, DECAY_PER_STEP_BOUND,
+                "DMuon: weight decay alone leaves %s %.2f of their values after the %d steps "
+                "(lr %g x weight_decay %g over the lr schedule), less than %g, the least the "
+                "convergence sweep measured (docs/benchmarks.md#the-recipe); a run this long "
+                "wants a smaller weight_decay",
+                who, kept, steps, lr, wd, DECAY_KEPT_BOUND,
             )  # fmt: skip
 
 
@@ -89,7 +104,6 @@ def _build_muon(model: nn.Module, optimizer_config, parallel_dims) -> Muon:
         fused=optimizer_config.implementation == "fused",
     )
     dedicated = get_dedication(model) is not None
-    log_decay(recipe, adamw.lr, adamw.weight_decay)
     return Muon(
         model,
         settings,
