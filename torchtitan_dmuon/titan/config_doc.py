@@ -35,13 +35,14 @@ config, before any model is built. AdamW, which takes every parameter DMuon does
 keeps TorchTitan's own `[optimizer]` lr, beta1, beta2, eps and weight_decay. What the Muon
 matrices get when `[dmuon]` leaves `lr` or `weight_decay` unset depends on `adjust_lr_fn`,
 and no setting is ever applied at another's scale: `original` (the default) and
-`spectral` take Muon's own lr 0.02 and weight decay 0.01; `match_rms_adamw` takes
+`spectral` take Muon's own lr 0.02 and weight decay 0.1; `match_rms_adamw` takes
 `[optimizer]`'s lr and weight decay as they are. The startup log's `DMuon recipe:` line
-says what each group got and its decay per step.
+says what each group got, its decay per step and what decay alone leaves of it over the
+run's lr schedule (a warning below 0.3).
 
 **From an AdamW config.** Keep `[optimizer]` as it is (AdamW's lr and weight decay now
 apply to the embeddings, norms and output head) and leave `[dmuon] lr` and
-`weight_decay` unset: the Muon matrices train at Muon's 0.02 with weight decay 0.01.
+`weight_decay` unset: the Muon matrices train at Muon's 0.02 with weight decay 0.1.
 Or set `adjust_lr_fn = "match_rms_adamw"` to carry AdamW's lr and weight decay over to
 them unchanged (the measured sweep is in [benchmarks.md](benchmarks.md#the-recipe)).
 """
