@@ -112,10 +112,10 @@ class DMuon(MuonConfig):
     weight_decay). Unset: 0.1 with adjust_lr_fn original or spectral (what won the
     convergence sweep at Muon's lr 0.02 at both sizes, docs/benchmarks.md#the-recipe),
     never read from [optimizer] weight_decay, which is AdamW's at AdamW's lr; [optimizer]
-    weight_decay with match_rms_adamw, whose lr is AdamW's. The startup line ("DMuon recipe:") gives each
-    group's lr x weight_decay (the fraction decayed per step at the peak lr) and what decay
-    alone leaves of it over the run's lr schedule, and warns below 0.3, the least the
-    convergence sweep measured."""
+    weight_decay with match_rms_adamw, whose lr is AdamW's. The startup line ("DMuon
+    recipe:") gives each group's lr x weight_decay (the fraction decayed per step at the
+    peak lr) and what decay alone leaves of it over the run's lr schedule, and warns below
+    0.3, the least the convergence sweep measured."""
 
     params: list[str] = field(default_factory=list)
     """Glob patterns over parameter names (activation-checkpoint and compile wrapper
