@@ -954,7 +954,9 @@ def main(argv: list[str] | None = None) -> int:
         "--adamw-lrs",
         type=float,
         nargs="+",
-        help="AdamW's lr grid (default: the size's; debug 3e-3 1e-3 1e-2, large 1e-3 3e-4 3e-3)",
+        help="AdamW's lr grid (default: the size's; "
+        + ", ".join(f"{k} {' '.join(map(_fmt, v.adamw_lrs))}" for k, v in SIZES.items())
+        + ")",
     )
     parser.add_argument("--adamw-wds", type=float, nargs="+", default=[0.0, 0.1])
     parser.add_argument("--muon-lrs", type=float, nargs="+", default=[0.02, 0.01, 0.04])
