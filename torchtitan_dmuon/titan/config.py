@@ -104,8 +104,10 @@ class DMuon(MuonConfig):
 
     lr: float | None = None
     """Muon learning rate (before adjust_lr_fn); an LR scheduler scales it like AdamW's.
-    Unset: 0.02 (Keller Jordan's) with adjust_lr_fn original or spectral; [optimizer] lr
-    with match_rms_adamw, whose per-shape scale makes AdamW's lr carry over."""
+    Unset: 0.02 (Keller Jordan's; the best of 0.01, 0.02, 0.04 at both sizes measured) with
+    adjust_lr_fn original or spectral; [optimizer] lr with match_rms_adamw, whose per-shape
+    scale is meant to carry AdamW's lr over (measured, it did at the debug size, not at 4.8x
+    its parameters: docs/benchmarks.md#the-recipe)."""
 
     weight_decay: float | None = None
     """Decoupled weight decay of the Muon matrices (each step multiplies them by 1 - lr x
@@ -243,7 +245,8 @@ class MuonRecipe:
 def muon_recipe(dmuon: DMuon, optimizer_lr: float, optimizer_weight_decay: float) -> MuonRecipe:
     """The rule for what ``[dmuon]`` leaves unset: per ``adjust_lr_fn``, never a setting
     multiplied by another's scale. ``match_rms_adamw`` scales each update to AdamW's RMS,
-    so AdamW's lr and weight decay carry over as they are (Moonlight's drop-in recipe);
+    so it takes AdamW's lr and weight decay as they are (Moonlight's drop-in recipe; it
+    trailed AdamW at the larger size measured, as AdamW's best lr fell faster with width);
     ``original`` and ``spectral`` take Muon's own lr, 0.02, about 7-70x an AdamW lr, so
     they take their own weight decay too.
 
