@@ -709,8 +709,9 @@ def _grid(results: list[dict], kind: str, lrs: list[float], wds: list[float]) ->
         if r["kind"] == kind and r["group"] == "sweep"
     }
     best = min(cells.values(), key=_final, default=None)
+    wds = sorted(wds)  # the sweep runs its centre first; the table reads in order
     rows = []
-    for lr in lrs:
+    for lr in sorted(lrs):
         row = [_fmt(lr)]
         for wd in wds:
             r = cells.get((lr, wd))

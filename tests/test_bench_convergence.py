@@ -102,6 +102,25 @@ def test_the_larger_model_has_at_least_4x_the_parameters():
     assert large / small > 4
 
 
+def test_the_grid_reads_in_ascending_lr_and_weight_decay():
+    """The report's sweep table lists lr and weight decay in ascending order, whatever order
+    the sweep ran them in (centre first), bolds the lowest final loss and says which cells
+    have not run."""
+    args = _args()
+    results = [
+        _record(spec, 4.0 + spec.lr + spec.weight_decay)
+        for spec in bench.sweep_specs(args)
+        if spec.kind == "dmuon" and spec.weight_decay != 0.01
+    ]
+    assert bench._grid(results, "dmuon", args.muon_lrs, [0.1, 0.0, 0.01]) == [
+        "| lr \\ weight decay | 0 | 0.01 | 0.1 |",
+        "| --- | --- | --- | --- |",
+        "| 0.01 | **4.0100** | not run | 4.1100 |",
+        "| 0.02 | 4.0200 | not run | 4.1200 |",
+        "| 0.04 | 4.0400 | not run | 4.1400 |",
+    ]
+
+
 @pytest.mark.slow
 def test_quick_mode_trains_caches_and_reports(tmp_path):
     """``--quick``: one AdamW and one DMuon run through ./run_train.sh, 10 steps evaluated
