@@ -593,10 +593,15 @@ def run_one(spec: RunSpec, args: argparse.Namespace, settings: Settings, meta: d
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(record, indent=1) + "\n")
     os.replace(tmp, path)
+    held_out = (
+        f"final held-out loss {record['final_val_loss']:.4f}"
+        if record["val"]
+        else "no evaluation (a timing run)"
+    )
     logger.info(
-        "%s: final held-out loss %.4f, %.3f s a step, %.0f s training",
+        "%s: %s, %.3f s a step, %.0f s training",
         spec.name,
-        record["final_val_loss"],
+        held_out,
         record["step_s"],
         record["train_wall_s"],
     )

@@ -104,8 +104,8 @@ class DMuon(MuonConfig):
 
     lr: float | None = None
     """Muon learning rate (before adjust_lr_fn); an LR scheduler scales it like AdamW's.
-    Unset: 0.02 (Keller Jordan's; the best of 0.01, 0.02, 0.04 at both sizes measured, at
-    weight decay 0.1 at the larger) with adjust_lr_fn original or spectral; [optimizer] lr
+    Unset: 0.02 (Keller Jordan's; the best of 0.01, 0.02, 0.04 at every weight decay at
+    both sizes measured) with adjust_lr_fn original or spectral; [optimizer] lr
     with match_rms_adamw, whose per-shape scale is meant to carry AdamW's lr over (measured,
     it did at the debug size, not at 4.8x its parameters: docs/benchmarks.md#the-recipe)."""
 
