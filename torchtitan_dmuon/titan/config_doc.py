@@ -38,7 +38,7 @@ and no setting is ever applied at another's scale: `original` (the default) and
 `spectral` take Muon's own lr 0.02 and weight decay 0.1; `match_rms_adamw` takes
 `[optimizer]`'s lr and weight decay as they are. The startup log's `DMuon recipe:` line
 says what each group got, its decay per step and what decay alone leaves of it over the
-run's lr schedule (a warning below 0.3).
+run's lr schedule (a warning below 0.16).
 
 **From an AdamW config.** Keep `[optimizer]` as it is (AdamW's lr and weight decay now
 apply to the embeddings, norms and output head) and leave `[dmuon] lr` and

@@ -81,8 +81,8 @@ def log_decay(
             logger.warning(
                 "DMuon: weight decay alone leaves %s %.2f of their values after the %d steps "
                 "(lr %g x weight_decay %g over the lr schedule), less than %g, the least the "
-                "convergence sweep measured (docs/benchmarks.md#the-recipe); a run this long "
-                "wants a smaller weight_decay",
+                "convergence benchmark measured (docs/benchmarks.md#the-recipe): the recipe is "
+                "unmeasured there",
                 who, kept, steps, lr, wd, DECAY_KEPT_BOUND,
             )  # fmt: skip
 
