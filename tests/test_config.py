@@ -144,8 +144,8 @@ def test_unset_lr_and_weight_decay_follow_adjust_lr_fn(caplog):
 
 def test_the_longest_measured_run_is_not_warned():
     """The benchmark's 1800-step run at the default (lr 0.02, weight decay 0.1, TorchTitan's
-    warmup of 10 then linear decay) left 0.165 of the matrices' values and ended below a
-    third of that decay (docs/benchmarks.md#the-recipe): its schedule is within the bound."""
+    warmup of 10 then linear decay) left 0.165 of the matrices' values and ended lower than
+    a third of that weight decay did (docs/benchmarks.md#the-recipe): it is within the bound."""
     model = torch.nn.Linear(2, 2)
     optimizers = OptimizersContainer([model], torch.optim.SGD, {"lr": 1.0})
     schedule = build_lr_schedulers(optimizers, LRScheduler(warmup_steps=10), 1800)

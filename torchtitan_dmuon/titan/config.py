@@ -118,7 +118,7 @@ class DMuon(MuonConfig):
     recipe:") gives each group's lr x weight_decay (the fraction decayed per step at the
     peak lr) and what decay alone leaves of it over the run's lr schedule, and warns below
     0.16, the least the convergence benchmark measured (1800 steps at the default, which
-    ended below a third of the decay)."""
+    ended lower than a third of that weight decay did)."""
 
     params: list[str] = field(default_factory=list)
     """Glob patterns over parameter names (activation-checkpoint and compile wrapper
