@@ -19,7 +19,7 @@ from torchtitan_dmuon.titan.config import (
     DMuon,
     muon_recipe,
 )
-from torchtitan_dmuon.titan.optimizer import decay_kept, log_decay
+from torchtitan_dmuon.titan.optimizer import decay_kept, log_decay, schedule_factors
 
 
 def _trained(optimizer_of) -> dict[str, torch.Tensor]:
@@ -149,8 +149,7 @@ def test_the_longest_measured_run_is_not_warned():
     model = torch.nn.Linear(2, 2)
     optimizers = OptimizersContainer([model], torch.optim.SGD, {"lr": 1.0})
     schedule = build_lr_schedulers(optimizers, LRScheduler(warmup_steps=10), 1800)
-    factors = [schedule.schedulers[0].lr_lambdas[0](step) for step in range(1800)]
-    kept = decay_kept(ORIGINAL_LR, ORIGINAL_WEIGHT_DECAY, factors)
+    kept = decay_kept(ORIGINAL_LR, ORIGINAL_WEIGHT_DECAY, schedule_factors(schedule, 1800))
     assert kept == pytest.approx(0.1648, abs=1e-4)
     assert kept >= DECAY_KEPT_BOUND
 

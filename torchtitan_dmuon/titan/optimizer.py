@@ -24,6 +24,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
+from torchtitan.components.lr_scheduler import LRSchedulersContainer
 from torchtitan.components.optimizer import OptimizersContainer
 
 from torchtitan_dmuon.engine import clip_grad_norm_, get_dedication
@@ -39,11 +41,27 @@ from torchtitan_dmuon.titan.qk_clip import build_qk_clip
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DMuonOptimizersContainer", "build_dmuon_optimizers", "decay_kept", "log_decay"]
+__all__ = [
+    "DMuonOptimizersContainer",
+    "build_dmuon_optimizers",
+    "decay_kept",
+    "log_decay",
+    "schedule_factors",
+]
 
 _MAX_UNLOGGED = 1000
 """Steps whose norms wait for a logging step at most (a loop that never logs reads them
 then)."""
+
+
+def schedule_factors(lr_schedulers: LRSchedulersContainer, steps: int) -> list[float]:
+    """The lr schedule's factor at each of a run's ``steps`` (TorchTitan's schedulers are
+    ``LambdaLR``s, step ``s`` trains at factor ``lr_lambda(s - 1)``); 1.0 for each under a
+    scheduler of another kind, whose schedule cannot be read ahead."""
+    scheduler = lr_schedulers.schedulers[0]
+    if isinstance(scheduler, LambdaLR):
+        return [scheduler.lr_lambdas[0](step) for step in range(steps)]
+    return [1.0] * steps
 
 
 def decay_kept(lr: float, weight_decay: float, lr_factors: Sequence[float]) -> float:

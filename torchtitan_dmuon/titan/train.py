@@ -34,7 +34,6 @@ import torch
 import torch.distributed as dist
 import torchtitan.distributed.utils as dist_utils
 import torchtitan.protocols.train_spec as train_spec_module
-from torch.optim.lr_scheduler import LambdaLR
 from torchtitan.components.checkpoint import LR_SCHEDULER, MODEL, OPTIMIZER
 from torchtitan.train import Trainer, main
 
@@ -48,7 +47,7 @@ from torchtitan_dmuon.titan.checkpoint import (
 )
 from torchtitan_dmuon.titan.config import muon_recipe
 from torchtitan_dmuon.titan.cpu import enable_cpu_support
-from torchtitan_dmuon.titan.optimizer import log_decay
+from torchtitan_dmuon.titan.optimizer import log_decay, schedule_factors
 from torchtitan_dmuon.titan.parallelize import DMUON, dmuon_settings
 from torchtitan_dmuon.titan.patches import PatchRegistry
 from torchtitan_dmuon.titan.plan_report import step_counts
@@ -82,15 +81,6 @@ class DMuonTrainer(Trainer):
             self.patches.restore()
             raise
 
-    def _lr_factors(self, steps: int) -> list[float]:
-        """The lr schedule's factor at each of the run's ``steps`` (TorchTitan's schedulers
-        are ``LambdaLR``s, step ``s`` trains at factor ``lr_lambda(s - 1)``); 1.0 for each
-        under a scheduler of another kind, whose schedule cannot be read ahead."""
-        scheduler = self.lr_schedulers.schedulers[0]
-        if isinstance(scheduler, LambdaLR):
-            return [scheduler.lr_lambdas[0](step) for step in range(steps)]
-        return [1.0] * steps
-
     def close(self) -> None:
         try:
             super().close()
@@ -108,7 +98,7 @@ class DMuonTrainer(Trainer):
             muon_recipe(dmuon_settings(self.model_parts[0]), adamw.lr, adamw.weight_decay),
             adamw.lr,
             adamw.weight_decay,
-            self._lr_factors(job_config.training.steps),
+            schedule_factors(self.lr_schedulers, job_config.training.steps),
         )
         # None for a part with one data-parallel rank (plain Muon + AdamW).
         self.dedications = [d for d in map(get_dedication, self.model_parts) if d is not None]
