@@ -68,3 +68,25 @@ def test_recovery_without_fsdp_reset_iter_state_says_why():
 def _restores_fsdp():
     yield
     assert hasattr(FSDPModule, "reset_iter_state")
+
+
+def test_collective_counter_wraps_only_what_this_torch_has(monkeypatch):
+    """torch 2.11 has neither ``all_gather_single`` nor ``reduce_scatter_single`` (new in
+    2.13), in ``torch.distributed`` or in its functional collectives: the counter counts
+    what exists and puts back exactly what it wrapped."""
+    import torch.distributed as dist
+    from torch.distributed import _functional_collectives as funcol
+
+    from torchtitan_dmuon.engine.comm import CollectiveCounter
+
+    for module in (dist, funcol):
+        for name in ("all_gather_single", "reduce_scatter_single"):
+            monkeypatch.delattr(module, name, raising=False)
+    before = {m: dict(vars(m)) for m in (dist, funcol)}
+    with CollectiveCounter() as counter:
+        assert dist.broadcast is not before[dist]["broadcast"]  # still counted
+        assert not hasattr(dist, "all_gather_single")
+        assert not hasattr(funcol, "reduce_scatter_single")
+    assert counter.snapshot() == {"bytes": {}, "calls": {}}
+    for module, names in before.items():
+        assert dict(vars(module)) == names

@@ -28,6 +28,7 @@ __all__ = [
     "all_reduce_sum",
     "broadcast",
     "check_device",
+    "connect_options",
     "engine_group",
     "flagged_grad_bucket",
     "gather_over_groups",
@@ -78,12 +79,13 @@ _RETIRED: dict[tuple[tuple[int, ...], str], list[dist.ProcessGroup]] = {}
 def engine_group(
     group: dist.ProcessGroup,
     description: str,
+    device: torch.device,
     members: slice | None = None,
     backend: str | None = None,
 ) -> dist.ProcessGroup:
     """A process group over the ranks of ``group`` (those of group ranks ``members``),
-    used by the engine alone: a removed dedication's (:func:`retire_groups`) or a new one
-    (on ``backend``; None: the default group's).
+    used by the engine alone for collectives on ``device``: a removed dedication's
+    (:func:`retire_groups`) or a new one (on ``backend``; None: the default group's).
 
     FSDP2 issues its collectives on the mesh's groups. Sharing them would need the
     engine's and FSDP2's collectives to interleave identically on every rank, and they do
@@ -93,9 +95,11 @@ def engine_group(
 
     Only the members call this (local synchronization). Every rank creates its groups in
     the same order (shard, reduce, replicate), so the overlapping creations cannot
-    deadlock. The group times out as ``group`` does (``new_group`` would take the
-    backend's default, 30 minutes on gloo): a rank that never joins a reduce then ends
-    its peers' wait when the user's own groups would.
+    deadlock. On an accelerator the group is connected here (:func:`connect_options`), not
+    at its first collective, whose place in backward differs between ranks. The group
+    times out as ``group`` does (``new_group`` would take the backend's default, 30
+    minutes on gloo): a rank that never joins a reduce then ends its peers' wait when the
+    user's own groups would.
     """
     ranks = dist.get_process_group_ranks(group)
     if members is not None:
@@ -114,7 +118,33 @@ def engine_group(
         backend=backend,
         use_local_synchronization=True,
         group_desc=description,
+        **connect_options(group, device, backend, timeout),
     )
+
+
+def connect_options(
+    group: dist.ProcessGroup, device: torch.device, backend: str | None, timeout
+) -> dict:
+    """``new_group``'s keywords for an engine group over ``group``'s ranks whose
+    collectives run on ``device``: none on the CPU (gloo) or a dry run's fake backend; on
+    an accelerator ``device_id``, so that the communicator connects at creation, where
+    every member creates it in the same order (without it NCCL connects inside the first
+    collective, which blocks the host until every member joins: two groups first used in
+    a rank-dependent order would deadlock); and for NCCL, options that run its kernels on
+    high-priority streams, as FSDP2's own collectives run (issued with ``async_op=True``,
+    they run on the group's streams, not on the engine's)."""
+    if device.type == "cpu" or backend == "gloo" or is_fake(group):
+        return {}
+    options: dict = {"device_id": device}
+    nccl = getattr(dist, "ProcessGroupNCCL", None)  # absent from CPU builds
+    if backend in (None, "nccl") and nccl is not None:
+        if isinstance(group._get_backend(device), nccl):
+            pg_options = nccl.Options()
+            pg_options.is_high_priority_stream = True
+            if timeout is not None:  # else new_group warns that its timeout overrides it
+                pg_options._timeout = timeout
+            options["pg_options"] = pg_options
+    return options
 
 
 def retire_groups(groups: list[dist.ProcessGroup]) -> None:
@@ -277,7 +307,9 @@ class CollectiveCounter:
         self._originals: list[tuple[object, str, object]] = []
 
     def _wrap(self, module, kind: str, payload) -> None:
-        original = getattr(module, kind)
+        original = getattr(module, kind, None)
+        if original is None:  # not in this torch (``*_single``: new in 2.13)
+            return
         self._originals.append((module, kind, original))
 
         def counted(*args, **kwargs):
@@ -327,8 +359,9 @@ class ShardGroups:
         self.rank = mesh.get_local_rank()
         self.size = mesh.size()
         self.prefix = prefix
-        self.shard_group = engine_group(mesh.get_group(), f"dmuon_{prefix}shard")
-        self.reduce_group = engine_group(mesh.get_group(), f"dmuon_{prefix}shard_reduce")
+        device = mesh_device(mesh)
+        self.shard_group = engine_group(mesh.get_group(), f"dmuon_{prefix}shard", device)
+        self.reduce_group = engine_group(mesh.get_group(), f"dmuon_{prefix}shard_reduce", device)
 
     def kind(self, collective: str) -> str:
         return self.prefix + collective

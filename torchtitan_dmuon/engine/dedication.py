@@ -324,7 +324,9 @@ class Dedication:
             self._agreement_groups = [
                 group
                 if comm.host_device(group) is not None or comm.is_fake(group)
-                else comm.engine_group(group, f"{group.group_desc}_host", backend="gloo")
+                else comm.engine_group(
+                    group, f"{group.group_desc}_host", torch.device("cpu"), backend="gloo"
+                )
                 for group in groups
                 if group is not None and dist.get_world_size(group) > 1
             ]

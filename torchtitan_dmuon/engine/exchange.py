@@ -115,7 +115,7 @@ class Exchange:
         self.domains = [ShardGroups(mesh, "")]
         self.replicas: Replicas | None = None
         if replicate_mesh is not None:
-            group = comm.engine_group(replicate_mesh.get_group(), "dmuon_replicate")
+            group = comm.engine_group(replicate_mesh.get_group(), "dmuon_replicate", self.device)
             self.replicas = Replicas(
                 group, replicate_mesh.get_local_rank(), replicate_mesh.size(), stats
             )
@@ -124,21 +124,23 @@ class Exchange:
         self.tp_group: dist.ProcessGroup | None = None
         self.tensor_parallel: TensorParallelNS | None = None
         if tp_mesh is not None:
-            self.tp_group = comm.engine_group(tp_mesh.get_group(), "dmuon_tp")
+            self.tp_group = comm.engine_group(tp_mesh.get_group(), "dmuon_tp", self.device)
             self.tensor_parallel = TensorParallelNS(self.tp_group, stats)
         self.owner_group: OwnerGroup | None = None
         if group_size > 1:
             # The consecutive shard ranks of this rank's group (only they create it).
             first = self.domains[0].rank // group_size * group_size
             members = slice(first, first + group_size)
-            group = comm.engine_group(mesh.get_group(), "dmuon_owner_group", members)
+            group = comm.engine_group(mesh.get_group(), "dmuon_owner_group", self.device, members)
             self.owner_group = OwnerGroup(group, stats)
         # Idle but for the ranks of a failed pass, which meet here while their peers may
         # still wait in that pass's gathers and reduces (see agree_on_failed_pass).
-        self.recovery_groups = [comm.engine_group(mesh.get_group(), "dmuon_recovery")]
+        self.recovery_groups = [comm.engine_group(mesh.get_group(), "dmuon_recovery", self.device)]
         if replicate_mesh is not None:
             self.recovery_groups.append(
-                comm.engine_group(replicate_mesh.get_group(), "dmuon_replicate_recovery")
+                comm.engine_group(
+                    replicate_mesh.get_group(), "dmuon_replicate_recovery", self.device
+                )
             )
         self._meshes = (mesh, replicate_mesh)
         self._others_groups: list[dist.ProcessGroup] | None = None
@@ -182,9 +184,11 @@ class Exchange:
         Created at the first call, by every rank of the dedication alike."""
         if self._others_groups is None:
             mesh, replicate_mesh = self._meshes
-            self._others_groups = [comm.engine_group(mesh.get_group(), "dmuon_others")]
+            self._others_groups = [comm.engine_group(mesh.get_group(), "dmuon_others", self.device)]
             if replicate_mesh is not None:
-                group = comm.engine_group(replicate_mesh.get_group(), "dmuon_replicate_others")
+                group = comm.engine_group(
+                    replicate_mesh.get_group(), "dmuon_replicate_others", self.device
+                )
                 self._others_groups.append(group)
         return self._others_groups
 
