@@ -35,8 +35,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 WHEEL_LIST = ROOT / "scripts" / "gpu_wheels.txt"
 STEPS = [
-    "wheels", "assets", "env", "ns", "engine", "syncs", "titan_DMuon", "titan_AdamW",
-    "titan_DMuon_float8",
+    "wheels", "assets", "env", "engine", "syncs", "ns", "titan_DMuon", "titan_AdamW",
+    "titan_DMuon_compiled", "titan_AdamW_compiled", "titan_DMuon_float8",
 ]  # fmt: skip
 """gpu_lease.sh's steps, in the order it runs them."""
 PROVIDED = [
@@ -298,29 +298,39 @@ def _fmt(x, digits=2) -> str:
     return "-" if x is None else f"{x:,.{digits}f}"
 
 
+def _verdicts(rows: list[dict]) -> str:
+    """ "P/N ok" of rows whose ``ok`` is True, False or None (unsupported on this torch or
+    triton: not a failure), with the unsupported and failed ones counted."""
+    judged = [r for r in rows if r.get("ok") is not None]
+    text = f"{sum(bool(r['ok']) for r in judged)}/{len(judged)} ok"
+    if unsupported := len(rows) - len(judged):
+        text += f", {unsupported} unsupported here"
+    return text
+
+
 def ns_figures(ns: dict) -> str:
-    timings = [t for t in ns.get("timings", []) if "ms" in t]
+    records = ns.get("records", [])
     best = {}
-    for t in timings:
-        key = ("x".join(map(str, t["shape"])), t["mode"])
-        if t["backend"] != "torch" and (key not in best or t["ms"] < best[key]["ms"]):
+    for t in records:
+        key = ("x".join(map(str, t.get("shape", []))), t.get("mode"))
+        if "ms" in t and t["backend"] != "torch" and (key not in best or t["ms"] < best[key]["ms"]):
             best[key] = t
     parts = [
         f"{shape} {mode}: {t['backend']} x{t['speedup_vs_torch']:.2f}"
         for (shape, mode), t in best.items()
         if t.get("speedup_vs_torch")
     ]
-    worst = max((c["rel_err"] for c in ns.get("checks", []) if "rel_err" in c), default=None)
-    checks = ns.get("checks", [])
+    worst = max((c["rel_err"] for c in records if "rel_err" in c), default=None)
     return (
-        f"{sum(c['ok'] for c in checks)}/{len(checks)} checks ok, max rel.err {_fmt(worst, 4)}; "
+        f"{_verdicts(records)}, max rel.err {_fmt(worst, 4)}; "
         f"fastest vs torch: {'; '.join(parts) or '-'}"
     )
 
 
 def engine_figures(engine: dict) -> str:
-    failed = [c["case"] for c in engine.get("cases", []) if not c["ok"]]
-    text = f"{engine.get('passed', 0)}/{len(engine.get('cases', []))} cases match torch.optim.Muon"
+    cases = engine.get("cases", [])
+    failed = [c["case"] for c in cases if c["ok"] is False]
+    text = f"{_verdicts(cases)}: cases against torch.optim.Muon"
     return text + (f"; failed: {', '.join(failed)}" if failed else "")
 
 
@@ -440,27 +450,26 @@ def markdown(summary: dict) -> str:
             "| shape | mode | backend | first call s | ms | TFLOP/s | x torch | rel.err | ok |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
-        errs = {
-            ("x".join(map(str, c["shape"])), c["mode"], c["backend"]): c
-            for c in ns.get("checks", [])
-            if "backend" in c
-        }
-        for t in ns.get("timings", []):
-            key = ("x".join(map(str, t["shape"])), t["mode"], t["backend"])
-            check = errs.get(key, {})
-            backend = t["backend"] + (f" ({t['picked']})" if t.get("picked") else "")
+        for t in ns.get("records", []):
+            shape = "x".join(map(str, t.get("shape", [])))
+            backend = t.get("backend", t.get("check", "")) + (
+                f" ({t['picked']})" if t.get("picked") else ""
+            )
+            verdict = t.get("error") or t.get("unsupported") or t.get("ok")
             lines.append(
-                f"| {key[0]} | {key[1]} | {backend} | {_fmt(t.get('first_call_s'))} | "
+                f"| {shape} | {t.get('mode', '')} | {backend} | {_fmt(t.get('first_call_s'))} | "
                 f"{_fmt(t.get('ms'), 3)} | {_fmt(t.get('tflops'), 1)} | "
-                f"{_fmt(t.get('speedup_vs_torch'))} | {_fmt(check.get('rel_err'), 4)} | "
-                f"{check.get('ok', _cell(t.get('error')))} |"
+                f"{_fmt(t.get('speedup_vs_torch'))} | {_fmt(t.get('rel_err'), 4)} | "
+                f"{_cell(verdict)} |"
             )
     if engine := summary.get("engine"):
         lines += ["", "## The engine against one-process torch.optim.Muon", ""]
-        lines += ["| case | world | ok | loss diff | max param diff (atol) | error |"]
+        lines += [
+            "| case | world | ok | loss diff | max param diff (atol) | error or why not run |"
+        ]
         lines += ["| --- | --- | --- | --- | --- | --- |"]
         for c in engine.get("cases", []):
-            error = c.get("error") or "; ".join(c.get("problems", [])) or ""
+            error = c.get("error") or c.get("unsupported") or "; ".join(c.get("problems", []))
             if c.get("plan_report_errors"):
                 error += f" (plan_report: {c['plan_report_errors'][0]})"
             lines.append(

@@ -22,7 +22,10 @@ except ImportError:  # Python 3.10
 
 ROOT = Path(__file__).resolve().parents[1]
 LEASE = ROOT / "benchmarks" / "gpu_lease.sh"
-GPU_STEPS = ["ns", "engine", "syncs", "titan_DMuon", "titan_AdamW", "titan_DMuon_float8"]
+GPU_STEPS = [
+    "engine", "syncs", "ns", "titan_DMuon", "titan_AdamW", "titan_DMuon_compiled",
+    "titan_AdamW_compiled", "titan_DMuon_float8",
+]  # fmt: skip
 
 
 def _module():
@@ -203,3 +206,36 @@ def test_summary_reads_the_steps(tmp_path):
     assert figures["dmuon_lines"][0].startswith("dmuon: ns_backend='auto'")
     assert "51,000 tok/s" in titan["figures"] and "MFU 37.9%" in titan["figures"]
     assert "| engine | timeout |" in (out / "gpu_lease.md").read_text()
+
+
+def test_what_this_torch_cannot_run_is_unsupported_not_failed(tmp_path):
+    """torch 2.11 (the GPU machine's) has no FSDP2 reset_iter_state, and triton 3.6's
+    interpreter cannot run the kernels with numpy 2.4: cases recorded unsupported, with
+    why, count as neither passed nor failed."""
+    work, out = tmp_path / "work", tmp_path / "out"
+    (work / "steps").mkdir(parents=True)
+    (work / "ns").mkdir()
+    status = "status=passed\nrc=0\nseconds=9\nlimit=120\nreason=\n"
+    for name in ("engine", "ns"):
+        (work / "steps" / f"{name}.status").write_text(status)
+    why = "FSDP2 in torch 2.11.0 has no FSDPModule.reset_iter_state (2.13)"
+    engine = {"cases": [
+        {"case": "gloo1_fsdp_z3", "world": 1, "ok": True, "loss_diff": 0.0},
+        {"case": "gloo1_failed_backward_recovery", "world": 1, "ok": None, "unsupported": why},
+    ]}  # fmt: skip
+    (work / "engine.json").write_text(json.dumps(engine))
+    ns = {"records": [
+        {"preset": "quintic", "shape": [64, 128], "mode": "bf16", "backend": "torch",
+         "ok": True, "rel_err": 0.01, "ms": 1.0, "speedup_vs_torch": 1.0},
+        {"preset": "quintic", "shape": [64, 128], "mode": "bf16", "backend": "triton",
+         "ok": None, "unsupported": "triton 3.6.0's interpreter with numpy 2.4.6: ..."},
+    ]}  # fmt: skip
+    (work / "ns" / "ns.json").write_text(json.dumps(ns))
+    args = type("Args", (), dict(work=work, out=out, quick=False, elapsed=30, budget=420))
+    assert gpu_lease.cmd_summary(args) == 0
+    summary = json.loads((out / "gpu_lease.json").read_text())
+    figures = {s["name"]: s["figures"] for s in summary["steps"]}
+    assert figures["engine"].startswith("1/1 ok, 1 unsupported here")
+    assert figures["ns"].startswith("1/1 ok, 1 unsupported here")
+    table = (out / "gpu_lease.md").read_text()
+    assert why in table and "triton 3.6.0's interpreter" in table
