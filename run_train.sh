@@ -98,5 +98,12 @@ else
     -m torchtitan_dmuon.titan.train --job.config_file "$CONFIG_FILE" ${overrides[@]+"${overrides[@]}"})
 fi
 echo "run_train.sh: NGPU=$NGPU PYTORCH_ALLOC_CONF=$PYTORCH_ALLOC_CONF ${command[*]}" >&2
-./scripts/setup.sh
+# TorchTitan's HF backend imports transformers, which the other models do not need.
+hf_backend=transformers_modeling_backend
+if grep -Eq "^[[:space:]]*name[[:space:]]*=[[:space:]]*\"$hf_backend\"" "$CONFIG_FILE" \
+    || [[ " ${overrides[*]-} " =~ [[:space:]]--model\.name[=[:space:]]$hf_backend[[:space:]] ]]; then
+  ./scripts/setup.sh --hf
+else
+  ./scripts/setup.sh
+fi
 exec "${command[@]}"

@@ -2,6 +2,8 @@
 # Idempotent fresh-machine setup shared by run_train.sh and run_tests.sh.
 #
 #   scripts/setup.sh         what training needs: the project editable and its dependencies
+#   scripts/setup.sh --hf    also transformers, for TorchTitan's HF backend (run_train.sh
+#                            asks for it when the config trains transformers_modeling_backend)
 #   scripts/setup.sh --dev   also the test, benchmark, HF-backend (transformers), VLM
 #                            (einops, Pillow) and peer extras (run_tests.sh's)
 #
@@ -33,8 +35,9 @@ log() { echo "[setup] $*" >&2; }
 
 case "${1:-}" in
   "") kind=train; extras="" ;;
+  --hf) kind=hf; extras="[hf]" ;;
   --dev) kind=dev; extras="[test,bench,hf,vlm,peer-muon-fsdp2,peer-dtensor-muon]" ;;
-  *) echo "[setup] unknown argument '$1' (expected nothing or --dev)" >&2; exit 2 ;;
+  *) echo "[setup] unknown argument '$1' (expected nothing, --hf or --dev)" >&2; exit 2 ;;
 esac
 
 has_gpu=0
@@ -64,7 +67,10 @@ assets_ready() { [[ -f "$ASSETS/tokenizer/tokenizer.json" && -f "$ASSETS/heldout
 # The VLM's generated image-caption-action shard and image tokenizer (titan/vlm_assets.py),
 # where Pillow is installed (the vlm extra).
 vlm_assets_ready() { [[ -f "$ASSETS/vlm/data/shard-00000.tar" ]] || ! "$PY" -c "import PIL" 2>/dev/null; }
-if [[ -x "$PY" && ("$have_stamp" == "$want_stamp dev" || "$have_stamp" == "$want_stamp $kind") ]] \
+# A setup of a larger kind serves a smaller one: train < hf < dev.
+declare -A serves=([train]="train" [hf]="train hf" [dev]="train hf dev")
+have_kind="${have_stamp#* }"
+if [[ -x "$PY" && "${have_stamp%% *}" == "$want_stamp" && " ${serves[${have_kind:-none}]:-} " == *" $kind "* ]] \
     && assets_ready && vlm_assets_ready; then
   exit 0
 fi

@@ -118,3 +118,13 @@ def test_gpu_configs_dry_run(tmp_path):
             "data_parallel_replicate_degree", 1
         )
         assert int(ranks[0]) * int(ranks[1]) == 8 and int(ranks[0]) == replicas, name
+
+
+def test_gpu_configs_ship_what_is_known_to_work():
+    """No GPU has run DMuon with torch.compile or ns_backend "auto" yet (docs/gpu.md): the
+    GPU configs ship without them, each saying how to turn them on."""
+    for path in GPU_CONFIGS:
+        config, text = _toml(path), path.read_text()
+        assert config["dmuon"]["ns_backend"] == "torch", path.name
+        assert config.get("compile", {}).get("enable", False) is False, path.name
+        assert "docs/gpu.md" in text, path.name

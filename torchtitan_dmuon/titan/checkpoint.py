@@ -2,7 +2,9 @@
 
 :class:`DMuonModelWrapper` saves the dedicated matrices once; :class:`LRSchedulersWrapper`
 lets a run resume from a checkpoint of the other optimizer (AdamW <-> DMuon);
-:func:`optimizer_state_to_load` lets NorMuon resume a checkpoint written without it.
+:func:`optimizer_state_to_load` lets NorMuon resume a checkpoint written without it;
+:func:`claim_checkpoint_folder` keeps a run from resuming, by accident, the other optimizer's
+checkpoint in a shared folder.
 
 TorchTitan's ``ModelWrapper`` caches ``get_model_state_dict`` once, at construction. With
 DMuon that would hold stale tensors (the engine re-binds parameters into flat buffers at
@@ -20,6 +22,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import re
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -253,3 +258,41 @@ def optimizer_state_to_load(optimizers: Stateful, checkpoint_id: str) -> Statefu
         matrices,
     )
     return _WithoutKeys(optimizers, normuon)
+
+
+OPTIMIZER_MARK = "optimizer_name.txt"
+"""In a checkpoint folder: the ``[optimizer] name`` of the run that last used it."""
+
+
+def claim_checkpoint_folder(job_config) -> None:
+    """Refuse a run that would resume another optimizer's checkpoint, then mark the folder
+    as this run's (rank 0; before any collective, the same verdict on every rank).
+
+    A comparison run (``--optimizer.name AdamW`` on a DMuon config) keeps the config's
+    ``dump_folder``: with checkpointing on, TorchTitan would resume the DMuon run's last
+    step, weights and all, and compare nothing. Resuming across optimizers on purpose
+    leaves the optimizer state out (``--checkpoint.exclude_from_loading optimizer``), as
+    :class:`LRSchedulersWrapper` supports.
+
+    Raises:
+        ValueError: The folder holds checkpoints that a run with another optimizer wrote
+            last, and this one would load their optimizer state.
+    """
+    checkpoint = job_config.checkpoint
+    if not checkpoint.enable:
+        return
+    folder = Path(job_config.job.dump_folder, checkpoint.folder)
+    mark, name = folder / OPTIMIZER_MARK, job_config.optimizer.name
+    saved = mark.read_text().strip() if mark.is_file() else None
+    steps = folder.is_dir() and any(re.fullmatch(r"step-\d+", p.name) for p in folder.iterdir())
+    if saved not in (None, name) and steps and "optimizer" not in checkpoint.exclude_from_loading:
+        raise ValueError(
+            f"[optimizer] name = {name!r}, but the checkpoints in {folder} were written by a "
+            f"run with {saved!r}: this run would resume that run's last step. Give it a "
+            "folder of its own (--job.dump_folder DIR), or continue from those weights on "
+            "purpose without their optimizer state (--checkpoint.exclude_from_loading "
+            "optimizer)"
+        )
+    if int(os.environ.get("RANK", "0")) == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+        mark.write_text(name + "\n")

@@ -43,6 +43,7 @@ from torchtitan_dmuon.titan import train_spec
 from torchtitan_dmuon.titan.checkpoint import (
     DMuonModelWrapper,
     LRSchedulersWrapper,
+    claim_checkpoint_folder,
     optimizer_state_to_load,
 )
 from torchtitan_dmuon.titan.config import muon_recipe
@@ -63,6 +64,7 @@ class DMuonTrainer(Trainer):
     def __init__(self, job_config) -> None:
         # Every replacement of a torch or TorchTitan name, undone by close() (TorchTitan's
         # main calls it after training and after an error) or here if building fails.
+        claim_checkpoint_folder(job_config)
         self.patches = PatchRegistry()
         try:
             enable_cpu_support(self.patches)
