@@ -204,10 +204,9 @@ def test_titan_train_step_syncs_no_more_than_adamw(tmp_path, monkeypatch):
     assert counts["dmuon"]["per_step"] <= counts["adamw"]["per_step"], counts
 
 
-def _agree_over_host_groups(rank, world):
+def _verdict_on_device_groups(rank, world):
     """Training with rank 1's ``Muon.step`` failing at step 2, the engine's groups taken
-    for NCCL-only ones (no CPU backend): the failure is agreed over gloo groups created
-    beside them."""
+    for NCCL-only ones (no CPU backend)."""
     original = comm.host_device
 
     def as_nccl_only(group):
@@ -223,11 +222,19 @@ def _agree_over_host_groups(rank, world):
     return result, sorted(d for d in host_groups if d.endswith("_host"))
 
 
-def test_step_failure_agreed_over_gloo_groups_beside_device_only_ones():
-    by_rank = run_distributed(_agree_over_host_groups, 2)
+def test_step_failure_settled_on_the_device_groups_without_a_host_barrier():
+    """The step's verdict rides on the engine's own (device) groups: no gloo group is
+    created beside NCCL-only ones, each step all-reduces two int32s per group whatever the
+    world size (before: a flag per rank over gloo twins, a host barrier), and a failed
+    step still changes nothing and is raised on every rank."""
+    by_rank = run_distributed(_verdict_on_device_groups, 2)
     reference = train_reference(2, steps=3, ns_dtype=torch.float32)
     for result, host_groups in by_rank:
-        assert host_groups == ["dmuon_shard_reduce_host"]
+        assert host_groups == []
         failure = result["step_failure"]
         assert failure["unchanged"] and "failed on rank(s) [1]" in failure["message"], failure
         assert result["losses"] == pytest.approx(reference["losses"], rel=1e-4)
+        stats = result["stats"]
+        # 3 steps and the failed one; the raising call settles nothing.
+        assert stats["calls"]["step_verdict"] == 4
+        assert stats["bytes"]["step_verdict"] == 4 * 8

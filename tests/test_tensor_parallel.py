@@ -187,13 +187,14 @@ def test_tensor_parallel_matches_one_process(ns_backend):
 
 def test_step_failure_before_tensor_parallel_collectives():
     """Rank 1 fails in Newton-Schulz of a whole matrix (blocks 0 and 1: no TP) while its TP
-    peer would go on to the sharded Newton-Schulz of block 2: the step agrees on failure
-    before any TP collective, so all 4 ranks raise ``MuonStepError`` with their state
-    bitwise unchanged, and the retried steps equal one process. Before, the failing rank's
+    peer would go on to the sharded Newton-Schulz of block 2: the TP ranks agree on it
+    before any TP collective, so neither starts it, the step changes nothing on any rank,
+    all 4 ranks raise ``MuonStepError`` at the next step with their state bitwise
+    unchanged, and the retried steps equal one process. Before, the failing rank's
     agreement met its peer's TP gather on the same group (a hang or a crash)."""
     by_rank = run_distributed(tp_worker, DP * TP, "torch", None, (2,), (1, 1), timeout=180)
     for rank, r in enumerate(by_rank):
-        assert "rank(s) [1] before any state changed" in r["message"]
+        assert "failed on rank(s) [1]; it changed nothing on any rank" in r["message"]
         assert ("injected Newton-Schulz failure" in r["message"]) == (rank == 1)
         assert r["unchanged"] and r["tensors"] > 0
     assert_equals_one_process(by_rank)

@@ -135,7 +135,8 @@ def train_dmuon(
     plan's size); ``fail_before_step`` runs one pass whose backward
     raises half-way on every rank before that step, caught as a training loop would;
     ``fail_step_at=(step, rank)`` makes that step's ``Muon.step`` raise on that rank in its
-    second Newton-Schulz call (then retried), reported as ``"step_failure"``.
+    second Newton-Schulz call (every rank's next ``step()`` raises, then it is retried),
+    reported as ``"step_failure"``.
     ``ep`` > 1 shards the ExpertBlocks' stacks over an ``ep`` mesh (TorchTitan's sparse
     layout: replicate x efsdp x ep, ep innermost) and dedicates them over ``efsdp``.
     ``variant``: Muon's (``"normuon"``: NorMuon). ``owner_group_size``: ``dedicate_params``'s
@@ -369,8 +370,10 @@ def failing_pass(zero_grad, block, backward, fail_at: int = 0) -> bool:
 
 def failing_step(opt, dedication, fails_here: bool, call: int = 2) -> dict:
     """``opt.step()`` with this rank's ``call``-th Newton-Schulz call raising if
-    ``fails_here``: returns what every rank raised and whether its parameters, masters,
-    momentum and AdamW state are bitwise what they were before the call."""
+    ``fails_here``: it raises on no rank (the failure is settled on the device), and the
+    next ``opt.step()`` raises on every rank before it changes anything. Returns what that
+    raised and whether the parameters, masters, momentum and AdamW state are bitwise what
+    they were before the failed step, after it and after the raise."""
     before = _optimizer_snapshot(opt, dedication)
     original = ns_choice_module.bind_ns
 
@@ -389,15 +392,20 @@ def failing_step(opt, dedication, fails_here: bool, call: int = 2) -> dict:
         ns_choice_module.bind_ns = failing_bind
     try:
         opt.step()
+    finally:
+        ns_choice_module.bind_ns = original
+    after_step = _optimizer_snapshot(opt, dedication)
+    try:
+        opt.step()
     except MuonStepError as error:
         message = str(error)
     else:
-        raise AssertionError("Muon.step did not raise")
-    finally:
-        ns_choice_module.bind_ns = original
+        raise AssertionError("the step after a failed Muon.step did not raise")
     after = _optimizer_snapshot(opt, dedication)
-    unchanged = before.keys() == after.keys() and all(
-        torch.equal(before[k], after[k]) for k in before
+    unchanged = all(
+        before.keys() == snapshot.keys()
+        and all(torch.equal(before[k], snapshot[k]) for k in before)
+        for snapshot in (after_step, after)
     )
     return {"message": message, "unchanged": unchanged, "tensors": len(before)}
 

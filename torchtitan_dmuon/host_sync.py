@@ -86,4 +86,6 @@ def _device_to_host(func, args, kwargs) -> bool:
             and (source.device.type != "cpu")
         )
     destination, source = args[0], args[1]
-    return destination.device.type == "cpu" and source.device.type != "cpu"
+    # A non-blocking copy into (pinned) host memory is queued, not waited for.
+    non_blocking = kwargs.get("non_blocking", args[2] if len(args) > 2 else False)
+    return destination.device.type == "cpu" and source.device.type != "cpu" and not non_blocking

@@ -271,10 +271,15 @@ class Muon(torch.optim.Optimizer):
         return inner
 
     def _adamw_step(self, found_inf: torch.Tensor | None) -> None:
-        """The inner AdamW's step; ``found_inf`` (fused kernel only) skips it on the device,
-        its step counts included, through the attribute ``GradScaler`` sets."""
+        """The inner AdamW's step; ``found_inf`` skips it, its step counts included: on the
+        device with the fused kernel (through the attribute ``GradScaler`` sets), read on
+        the host with the others, which cannot."""
         if found_inf is None:
             self._adamw.step()
+            return
+        if not self._adamw.defaults["fused"]:
+            if not found_inf.item():
+                self._adamw.step()
             return
         self._adamw.found_inf = found_inf.float()
         try:
@@ -302,16 +307,20 @@ class Muon(torch.optim.Optimizer):
         Distributed, each rank orthogonalizes only the matrices it owns (those whose
         reduced gradient it holds); the new values reach the other ranks by broadcast.
 
-        Transactional: every rank first computes its orthogonalized updates without
-        changing anything, then the ranks of the dedication agree (one
-        small all-reduce per group) that all of them succeeded; only then does any rank
-        write its parameters, momentum and AdamW state. If one rank fails in the first
-        phase, every rank raises :class:`MuonStepError` and all state is as before the
-        call (the reduced gradients are kept: ``step()`` may be called again, or
-        ``zero_grad()`` to drop them). Under tensor parallelism the matrices stepped alone
-        go first and are agreed on before the owner columns' TP ranks start their sharded
-        Newton-Schulz, which is agreed on in turn; a failure on one TP rank *between* the
-        collectives of one sharded Newton-Schulz leaves its peers waiting in the next one
+        Transactional, without a host barrier: every rank first computes its
+        orthogonalized updates without changing anything; the ranks then settle on the
+        device whether any of them failed (one small all-reduce per group, queued behind
+        the computation, as ``found_inf``), and every write (parameters, momentum, AdamW's
+        state) is masked by that verdict. A step that failed on some rank changes nothing
+        on any rank, and every rank raises :class:`MuonStepError` at its next call of
+        ``step()``, before anything else (the host reads the verdict then, long after the
+        device produced it); the reduced gradients of that next backward are kept, so
+        ``step()`` may be called again, or ``zero_grad()`` to drop them. The rank that
+        failed logs its error at once. Under tensor parallelism (and owner groups) the
+        matrices stepped alone go first, and the holders that run the next phase's
+        collectives together agree on the host before it (a group of at most a node's
+        ranks), so a rank that failed never leaves its peers waiting in them; a failure on
+        one of them *between* the collectives of one sharded Newton-Schulz still does
         (until the process group's timeout).
 
         Args:
@@ -320,10 +329,12 @@ class Muon(torch.optim.Optimizer):
                 decided on the device (no host sync): parameters, momentum, NorMuon's
                 second moments and AdamW's state stay bitwise as they were (QK-clip rescales
                 nothing). AdamW's fused kernel takes it as under ``GradScaler``; the
-                for-loop and foreach ones cannot, so with those it is read on the host.
+                for-loop and foreach ones cannot, so with those it is read on the host
+                (as is, distributed, the step's verdict: one host sync a step).
 
         Raises:
-            MuonStepError: The first phase raised on some rank of the dedication.
+            MuonStepError: The previous step failed on some rank of the dedication (and
+                changed nothing).
         """
         loss = None
         if closure is not None:
@@ -342,21 +353,18 @@ class Muon(torch.optim.Optimizer):
         qk_maxima = None
         if self.qk_clip is not None:
             qk_maxima = self.matrices.reduce_max(self.qk_clip.maxima(self.matrices.device))
-        pending = []
         try:
-            for phase in phases:
-                pending += self.matrices.agreed(
-                    lambda phase=phase: [
-                        compute_group(
-                            g,
-                            self.state,
-                            momentum=group["momentum"],
-                            nesterov=group["nesterov"],
-                            normuon_beta2=beta2,
-                        )
-                        for g in phase
-                    ]
-                )
+            pending, skip = self.matrices.computed(
+                phases,
+                lambda g: compute_group(
+                    g,
+                    self.state,
+                    momentum=group["momentum"],
+                    nesterov=group["nesterov"],
+                    normuon_beta2=beta2,
+                ),
+                found_inf,
+            )
         finally:
             if qk_maxima is not None:
                 qk_maxima = qk_maxima()
@@ -367,13 +375,13 @@ class Muon(torch.optim.Optimizer):
                 lr=group["lr"],
                 weight_decay=group["weight_decay"],
                 adjust_lr_fn=group["adjust_lr_fn"],
-                skip=found_inf,
+                skip=skip,
             )
         if qk_maxima is not None:
             with record_function("muon::qk_clip"):
-                self.matrices.clip_qk(self.qk_clip, qk_maxima, found_inf)
+                self.matrices.clip_qk(self.qk_clip, qk_maxima, skip)
         if self._adamw is not None:
-            self._adamw_step(found_inf)
+            self._adamw_step(skip)
         if self._qk_biases:
             # After the biases' AdamW update, as the weights' clip after Muon's.
             with record_function("muon::qk_clip_biases"):

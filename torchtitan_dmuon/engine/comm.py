@@ -50,7 +50,8 @@ class CommStats:
             the shard group, ``"replicate_broadcast"`` and ``"replicate_reduce"`` across
             HSDP replicas, ``"expert_broadcast"`` and ``"expert_reduce"`` inside the
             experts' shard group under expert parallelism, ``"all_reduce"``; outside the
-            step's movement of matrices: ``"step_agreement"``, ``"qk_clip_all_reduce"``,
+            step's movement of matrices: ``"step_verdict"``, ``"phase_agreement"``,
+            ``"qk_clip_all_reduce"``,
             ``"qk_clip_metrics"``, ``"grad_norm_all_reduce"``, ``"others_broadcast"``,
             ``"checkpoint_broadcast"``), counted once per collective on each rank.
         calls: Number of collectives per kind.

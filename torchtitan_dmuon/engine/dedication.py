@@ -174,7 +174,7 @@ class Dedication:
         # (stacks, owner groups' matrices), which are not allocated whole, until binding.
         self.start_pieces: dict[tuple, torch.Tensor] = {}
         self._on_remove: list = []
-        self._agreement_groups: list[dist.ProcessGroup] | None = None
+        self._phase_group: dist.ProcessGroup | None = None
         fsdp.mark_dedicated(model, [d.name for d in plan.params])
         pairs = enumerate(zip(plan.boundaries, self.boundary_units, strict=True))
         states = [
@@ -311,26 +311,27 @@ class Dedication:
             for d, flag in zip(u.params, u.grads_held(), strict=True)
         ]
 
-    def agreement_groups(self) -> list[dist.ProcessGroup]:
-        """The groups over which every rank learns whether ``Muon.step`` failed anywhere
-        (the data-parallel groups, then the tensor-parallel one; those of more than one
-        rank), each able to all-reduce host memory: a group without a CPU backend (NCCL
-        alone) is joined by a gloo one over the same ranks, so the verdict, a host fact,
-        is read without waiting for the device. Created at the first call, a collective of
-        every rank of the dedication (``Muon``'s constructor)."""
-        if self._agreement_groups is None:
+    def phase_group(self) -> dist.ProcessGroup | None:
+        """The group whose members run a step's second phase's collectives together (an
+        owner group's members, else the tensor-parallel ranks; None without either), able
+        to all-reduce host memory: one without a CPU backend (NCCL alone) is joined by a
+        gloo one over the same ranks, at most a node's. Its members agree there, on the
+        host, whether one of them failed before that phase. Created at the first call, a
+        collective of every rank of the dedication (``Muon``'s constructor)."""
+        if self._phase_group is None:
             exchange = self.exchange
-            groups = exchange.data_parallel_groups() + [exchange.tp_group]
-            self._agreement_groups = [
-                group
-                if comm.host_device(group) is not None or comm.is_fake(group)
-                else comm.engine_group(
-                    group, f"{group.group_desc}_host", torch.device("cpu"), backend="gloo"
+            if exchange.owner_group is not None:
+                group = exchange.owner_group.group
+            else:
+                group = exchange.tp_group
+            if group is None or comm.host_device(group) is not None or comm.is_fake(group):
+                self._phase_group = group
+            else:
+                desc = f"{group.group_desc}_host"
+                self._phase_group = comm.engine_group(
+                    group, desc, torch.device("cpu"), backend="gloo"
                 )
-                for group in groups
-                if group is not None and dist.get_world_size(group) > 1
-            ]
-        return self._agreement_groups
+        return self._phase_group
 
     def primary_params(self) -> list[tuple[DedicatedParam, torch.Tensor]]:
         """``(entry, master)`` of every matrix and piece this rank is the primary owner
@@ -529,5 +530,5 @@ class Dedication:
         _DEDICATIONS.pop(self.model, None)
         fsdp.unmark_dedicated(self.model)
         groups = self.exchange.process_groups()
-        groups += [g for g in self._agreement_groups or [] if g not in groups]
+        groups += [g for g in [self._phase_group] if g is not None and g not in groups]
         comm.retire_groups(groups)

@@ -4,14 +4,18 @@
 A rank steps only the matrices it is the primary owner of (the only ones whose reduced
 gradient it holds), into their masters; the new values reach the other ranks by the
 dedication's broadcasts. Everything a step decides is decided by every rank of the
-dedication alike: the Newton-Schulz choice through :func:`gather_over`, a failed first
-phase through :func:`failed_ranks` (every rank raises :class:`MuonStepError` before any
-writes), QK-clip's maxima by MAX all-reduces over the data-parallel groups.
+dedication alike: the Newton-Schulz choice through :func:`gather_over`, QK-clip's maxima by
+MAX all-reduces over the data-parallel groups, and whether the step failed anywhere by a
+verdict settled on the device (:class:`StepVerdict`): every write is masked by it, and the
+host reads it at the next step, when the device has long produced it, so that no step
+waits for every rank's host.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
@@ -28,13 +32,15 @@ from torchtitan_dmuon.optim.muon import MatrixGroup, NSFunction
 from torchtitan_dmuon.optim.ns_choice import NSChoice
 from torchtitan_dmuon.optim.qk_clip import QKClip
 
-__all__ = ["MuonStepError", "OwnedMatrices", "failed_ranks", "gather_over"]
+__all__ = ["MuonStepError", "OwnedMatrices", "StepVerdict", "gather_over"]
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 class MuonStepError(RuntimeError):
-    """``Muon.step`` failed on some rank of the dedication; no rank changed any state."""
+    """A ``Muon.step`` failed on some rank of the dedication; it changed nothing on any
+    rank. Raised by every rank at its next ``step()``."""
 
 
 def gather_over(dedication: Dedication, obj) -> list:
@@ -51,24 +57,43 @@ def gather_over(dedication: Dedication, obj) -> list:
     return [known[rank] for rank in sorted(known)]
 
 
-def failed_ranks(dedication: Dedication, failed: bool, device: torch.device) -> list[int]:
-    """The global ranks of ``dedication`` on which something ``failed``, known to all of
-    them: one MAX all-reduce of a flag per rank over each of its agreement groups
-    (:meth:`~Dedication.agreement_groups`: its reduce, replicate and tensor-parallel
-    ranks). The flags are in host memory, read without waiting for the device (``device``
-    only under a dry run's fake backend). A collective: every rank of the dedication
-    calls it."""
-    groups = dedication.agreement_groups()
-    on_host = all(comm.host_device(group) is not None for group in groups)
-    flags = torch.zeros(
-        dist.get_world_size(), dtype=torch.int32, device="cpu" if on_host else device
-    )
-    flags[dist.get_rank()] = int(failed)
-    for group in groups:
-        comm.all_reduce(flags, group, dedication.stats, "step_agreement", dist.ReduceOp.MAX).wait()
-    if on_host:  # numpy() reads host memory only: it refuses a device tensor
-        return flags.numpy().nonzero()[0].tolist()
-    return flags.nonzero().flatten().tolist()
+@dataclass
+class StepVerdict:
+    """Whether a step failed on some rank: ``[highest failed global rank + 1, world size -
+    lowest failed global rank]``, zeros where none did (two MAX-reducible int32s, whatever
+    the world size), on its way to the host.
+
+    Attributes:
+        flags: The two values, in host memory (pinned, copied from the device) once
+            ``ready`` has passed.
+        ready: The event after which ``flags`` holds them; None on the CPU.
+        error: What this rank raised, if anything.
+        synced_backwards: The reduced backwards the step read, given back when it failed
+            (the gradients are still held: ``step()`` may be called again).
+    """
+
+    flags: torch.Tensor
+    ready: object | None
+    error: BaseException | None
+    synced_backwards: int
+
+    def failed(self) -> list[int] | None:
+        """The lowest and highest failed global ranks (one where they are the same), or
+        None; waits for ``ready`` (passed long ago by the next step)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        highest, from_top = self.flags.numpy().tolist()  # host memory: no device read
+        if not highest:
+            return None
+        lowest = dist.get_world_size() - from_top
+        return [lowest] if lowest == highest - 1 else [lowest, highest - 1]
+
+
+def failure_flags(failed: set[int], device: torch.device) -> torch.Tensor:
+    """The :class:`StepVerdict` flags of the global ranks ``failed``, on ``device``."""
+    world = dist.get_world_size()
+    values = [max(failed) + 1, world - min(failed)] if failed else [0, 0]
+    return torch.tensor(values, dtype=torch.int32, device=device)
 
 
 class OwnedMatrices:
@@ -93,6 +118,19 @@ class OwnedMatrices:
         self.names = [d.name for d in dedication.plan.params]
         self.device = mesh_device(dedication.mesh)
         self._replicate_async = config.replicate_async
+        exchange = dedication.exchange
+        # The step's verdict runs over every data-parallel rank and the TP ranks.
+        self._verdict_groups = [
+            g
+            for g in exchange.data_parallel_groups() + [exchange.tp_group]
+            if g is not None and dist.get_world_size(g) > 1
+        ]
+        # Created here, by every rank of the dedication alike (Muon's constructor).
+        self._phase_group = dedication.phase_group()
+        self._failed: set[int] = set()
+        self._error: BaseException | None = None
+        self._flags: torch.Tensor | None = None
+        self._verdict: StepVerdict | None = None
 
     def prepare(self) -> None:
         verify_plan(self.dedication)
@@ -115,6 +153,20 @@ class OwnedMatrices:
         self.dedication.divide_owned_grads(divisor)
 
     def begin_step(self) -> None:
+        verdict, self._verdict = self._verdict, None
+        failed = verdict.failed() if verdict is not None else None
+        if failed is not None:
+            dedication = self.dedication
+            dedication.synced_backwards = max(dedication.synced_backwards, verdict.synced_backwards)
+            error = verdict.error
+            raise MuonStepError(
+                f"the previous Muon.step failed on rank(s) {failed}"
+                + (" (and maybe ranks between)" if len(failed) > 1 else "")
+                + "; it changed nothing on any rank (parameters, momentum and AdamW state are "
+                "as before it); the reduced gradients are kept: call step() again to take "
+                "this step, or zero_grad() to drop them"
+                + (f": {type(error).__name__}: {error}" if error is not None else "")
+            ) from error
         self.dedication.before_step()
 
     def step_phases(self, ns: NSChoice) -> list[list[MatrixGroup]]:
@@ -143,7 +195,7 @@ class OwnedMatrices:
             ]
         if exchange.tp_group is None:
             return [alone]
-        # Two phases on every rank of a TP job, owning shards or not: each is agreed on.
+        # Two phases on every rank of a TP job, owning shards or not.
         bound = ns.bind()
         return [alone, [self._group(split, ts, ns, bound) for split, ts in by_split.items()]]
 
@@ -184,20 +236,53 @@ class OwnedMatrices:
             stepped=stepped,
         )
 
-    def agreed(self, compute: Callable[[], T]) -> T:
-        error, result = None, None
-        try:
-            result = compute()
-        except Exception as e:  # every rank must hear of it before any rank writes
-            error = e
-        failed = failed_ranks(self.dedication, error is not None, self.device)
-        if failed:
-            raise MuonStepError(
-                f"Muon.step failed on rank(s) {failed} before any state changed; "
-                "parameters, momentum and AdamW state are unchanged on every rank"
-                + (f": {type(error).__name__}: {error}" if error is not None else "")
-            ) from error
-        return result
+    def computed(
+        self,
+        phases: list[list[MatrixGroup]],
+        compute: Callable[[MatrixGroup], T],
+        found_inf: torch.Tensor | None,
+    ) -> tuple[list[T], torch.Tensor]:
+        """Each phase's updates; what a phase raises is kept for the verdict, not raised.
+        Before a later phase, whose holders run collectives together, they agree on the
+        host (a group of at most a node's ranks) whether one of them failed: then none of
+        them computes it, so none waits for a peer that will not come."""
+        pending: list[T] = []
+        self._failed, self._error = set(), None
+        for index, phase in enumerate(phases):
+            if index > 0 and self._phase_group is not None:
+                self._failed |= self._phase_failures()
+            if self._failed:
+                break
+            try:
+                pending += [compute(group) for group in phase]
+            except Exception as error:  # noqa: BLE001 - settled with every rank below
+                self._error = error
+                self._failed.add(dist.get_rank())
+                logger.error(
+                    "dmuon: Muon.step failed on this rank (%s: %s); the step changes nothing "
+                    "on any rank, and every rank raises MuonStepError at its next step()",
+                    type(error).__name__,
+                    error,
+                )
+        with record_function("dmuon::step_verdict"):
+            flags = failure_flags(self._failed, self.device)
+            for group in self._verdict_groups:
+                kind, op = "step_verdict", dist.ReduceOp.MAX
+                comm.all_reduce(flags, group, self.dedication.stats, kind, op).wait()
+        self._flags = flags
+        skip = flags[0] > 0
+        return pending, skip if found_inf is None else skip | (found_inf != 0)
+
+    def _phase_failures(self) -> set[int]:
+        """The global ranks of this rank's next-phase group that failed so far: one MAX
+        all-reduce of a flag per member, in host memory."""
+        group = self._phase_group
+        members = dist.get_process_group_ranks(group)
+        flags = torch.zeros(len(members), dtype=torch.int32)
+        flags[dist.get_rank(group)] = int(dist.get_rank() in self._failed)
+        stats, op = self.dedication.stats, dist.ReduceOp.MAX
+        comm.all_reduce(flags, group, stats, "phase_agreement", op).wait()
+        return {members[i] for i in flags.numpy().nonzero()[0]}  # numpy(): host memory only
 
     def reduce_max(self, maxima: torch.Tensor) -> Callable[[], torch.Tensor]:
         """The MAX over the first data-parallel group starts now; under HSDP the
@@ -233,7 +318,16 @@ class OwnedMatrices:
             ).wait()
 
     def end_step(self) -> None:
+        synced = self.dedication.synced_backwards
         self.dedication.after_step()
+        flags, ready = self._flags, None
+        if flags.device.type != "cpu":  # copied to the host behind the step's own work
+            host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+            flags = host.copy_(flags, non_blocking=True)
+            ready = torch.get_device_module(self.device).Event()
+            ready.record()
+        self._verdict = StepVerdict(flags, ready, self._error, synced)
+        self._flags, self._error = None, None
 
     def zero_grad(self) -> None:
         self.dedication.zero_grad()

@@ -211,7 +211,7 @@ def plan_report(model: nn.Module, counts: StepCounts) -> PlanReport:
                 for d in unit.params:
                     if d.layout.block is not None:
                         rank.dmuon_bytes["all_reduce"] += _owner_group_bytes(d.layout, counts)
-    others = _other_params_traffic(model, dedication, counts) + _step_agreement(dedication)
+    others = _other_params_traffic(model, dedication, counts) + _step_verdict(dedication)
     alone = _fsdp_traffic(model, dedication, counts, with_dedicated=False)
     together = _fsdp_traffic(model, dedication, counts, with_dedicated=True)
     for rank in ranks:
@@ -254,15 +254,17 @@ def _owner_group_bytes(layout, counts: StepCounts) -> int:
     return grams + 4 * (layout.local_shape[0] if layout.block_dim == 1 else 2)
 
 
-def _step_agreement(dedication: Dedication) -> Counter:
-    """``Muon.step``'s verdicts on failure (``owned.failed_ranks``): a flag per global rank,
-    MAX-all-reduced over each data-parallel group and the tensor-parallel group, once per
-    phase (the tensor-parallel shards are a second)."""
+def _step_verdict(dedication: Dedication) -> Counter:
+    """``Muon.step``'s verdict on failure (``owned.StepVerdict``): two int32s, whatever the
+    world size, MAX-all-reduced over each data-parallel group and the tensor-parallel
+    group; before a second phase (owner groups' blocks, TP shards) a flag per member of
+    the group that runs it."""
     exchange = dedication.exchange
     groups = exchange.data_parallel_groups() + [exchange.tp_group]
     joined = sum(g is not None and dist.get_world_size(g) > 1 for g in groups)
-    phases = 2 if exchange.tp_group is not None or exchange.owner_group is not None else 1
-    return Counter({"all_reduce": phases * joined * dist.get_world_size() * 4})
+    phase = exchange.owner_group.group if exchange.owner_group is not None else exchange.tp_group
+    members = dist.get_world_size(phase) if phase is not None else 0
+    return Counter({"all_reduce": joined * 8 + members * 4})
 
 
 def _ddp_bucket_bytes(model: nn.Module, excluded: set[str]) -> int:

@@ -3,9 +3,10 @@ two implementations.
 
 ``Muon`` is one ``torch.optim.Optimizer`` over a :class:`MatrixSet`: :class:`LocalMatrices`
 (one process: every selected matrix, stepped in place; here) or the engine's
-``OwnedMatrices`` (distributed: only the matrices this rank owns, every failure agreed by
-all ranks; :mod:`torchtitan_dmuon.engine.owned`). Everything that differs between a
-one-process and a distributed step is a method of the protocol; the math is the same
+``OwnedMatrices`` (distributed: only the matrices this rank owns, a failure on any rank
+skipping the step on every rank; :mod:`torchtitan_dmuon.engine.owned`). Everything that
+differs between a one-process and a distributed step is a method of the protocol; the math
+is the same
 (:func:`~torchtitan_dmuon.optim.muon.compute_group`,
 :func:`~torchtitan_dmuon.optim.muon.commit_group`).
 
@@ -78,16 +79,25 @@ class MatrixSet(Protocol):
         ...
 
     def begin_step(self) -> None:
-        """Before the step reads any gradient."""
+        """Before the step reads any gradient (the engine raises here a failure of the
+        previous step that its ranks settled on the device)."""
         ...
 
     def step_phases(self, ns: NSChoice) -> list[list[MatrixGroup]]:
-        """What this rank steps, in phases computed and agreed one after the other."""
+        """What this rank steps, in phases computed one after the other."""
         ...
 
-    def agreed(self, compute: Callable[[], T]) -> T:
-        """``compute()``, and every rank learns whether it raised anywhere: then all
-        raise alike, before any state changed."""
+    def computed(
+        self,
+        phases: list[list[MatrixGroup]],
+        compute: Callable[[MatrixGroup], T],
+        found_inf: torch.Tensor | None,
+    ) -> tuple[list[T], torch.Tensor | None]:
+        """``compute`` of every group of ``phases``, changing nothing, and the step's
+        ``skip``: a 0-dim device tensor, nonzero where the step must change nothing
+        (``found_inf``, or a failure on some rank), decided on the device; None where
+        nothing can skip it. What ``compute`` raised is raised here in one process; on
+        several ranks every rank raises it alike at its next ``begin_step``."""
         ...
 
     def reduce_max(self, maxima: torch.Tensor) -> Callable[[], torch.Tensor]:
@@ -162,8 +172,13 @@ class LocalMatrices:
         grads = [p.grad for p in stepped]
         return [[MatrixGroup(stepped, stepped, grads, ns.bind())]] if stepped else [[]]
 
-    def agreed(self, compute: Callable[[], T]) -> T:
-        return compute()
+    def computed(
+        self,
+        phases: list[list[MatrixGroup]],
+        compute: Callable[[MatrixGroup], T],
+        found_inf: torch.Tensor | None,
+    ) -> tuple[list[T], torch.Tensor | None]:
+        return [compute(group) for phase in phases for group in phase], found_inf
 
     def reduce_max(self, maxima: torch.Tensor) -> Callable[[], torch.Tensor]:
         return lambda: maxima

@@ -186,7 +186,10 @@ class DMuonTrainer(Trainer):
         # comm.train_timeout_seconds (hang detection); the engine's own groups follow.
         _torchtitan_set_pg_timeouts(timeout, parallel_dims)
         groups = [
-            g for d in self.dedications for g in d.exchange.process_groups() + d.agreement_groups()
+            g
+            for d in self.dedications
+            for g in d.exchange.process_groups() + [d.phase_group()]
+            if g is not None
         ]
         if groups and comm.is_fake(groups[0]):
             return  # a dry run: the fake backend has no timeout to set
