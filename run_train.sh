@@ -79,6 +79,15 @@ else
   exit 2
 fi
 
+if [[ "$NNODES" -gt 1 ]]; then
+  # On NCCL the step's failure agreement runs on gloo groups beside the engine's NCCL ones
+  # (Dedication.agreement_groups): gloo connects every pair of a group's ranks, one socket
+  # each, so near a thousand ranks the default 1024 open files run out; and it must take
+  # the interface NCCL takes (docs/cluster.md, "Several nodes").
+  ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
+  [[ -z "${NCCL_SOCKET_IFNAME:-}" ]] || export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-$NCCL_SOCKET_IFNAME}"
+fi
+
 VENV="${DMUON_VENV:-$ROOT/.venv}"
 # As TorchTitan's run_train.sh: fewer out-of-memory errors from fragmentation on CUDA.
 export PYTORCH_ALLOC_CONF="${PYTORCH_ALLOC_CONF:-expandable_segments:True}"
