@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from torchtitan_dmuon.titan.checkpoint import OPTIMIZER_MARK, claim_checkpoint_folder
+from torchtitan_dmuon.titan.checkpoint import claim_checkpoint_folder, optimizer_mark
 
 
 def job(dump, name, enable=True, exclude=()):
@@ -24,25 +24,29 @@ def test_a_comparison_run_never_resumes_the_other_optimizers_checkpoint(tmp_path
     monkeypatch.setenv("RANK", "0")
     claim_checkpoint_folder(job(tmp_path, "DMuon"))
     folder = tmp_path / "checkpoint"
-    assert (folder / OPTIMIZER_MARK).read_text() == "DMuon\n"
+    mark = optimizer_mark(folder)
+    assert mark == tmp_path / "checkpoint.optimizer" and mark.read_text() == "DMuon\n"
+    # Never the folder itself: TorchTitan resumes from one that exists, ignoring
+    # --checkpoint.initial_load_path (a seed checkpoint).
+    assert not folder.exists()
     claim_checkpoint_folder(job(tmp_path, "AdamW"))  # nothing saved yet: nothing to resume
     claim_checkpoint_folder(job(tmp_path, "DMuon"))
-    (folder / "step-10").mkdir()
+    (folder / "step-10").mkdir(parents=True)
     claim_checkpoint_folder(job(tmp_path, "DMuon"))  # its own run resumes
     with pytest.raises(ValueError) as refused:
         claim_checkpoint_folder(job(tmp_path, "AdamW"))
     message = str(refused.value)
     assert "'AdamW'" in message and "'DMuon'" in message and str(folder) in message
     assert "--job.dump_folder" in message and "--checkpoint.exclude_from_loading" in message
-    assert (folder / OPTIMIZER_MARK).read_text() == "DMuon\n"  # a refused run marks nothing
+    assert mark.read_text() == "DMuon\n"  # a refused run marks nothing
 
 
 def test_resuming_the_weights_without_optimizer_state_is_allowed(tmp_path, monkeypatch):
     monkeypatch.setenv("RANK", "0")
     claim_checkpoint_folder(job(tmp_path, "DMuon"))
-    (tmp_path / "checkpoint" / "step-3").mkdir()
+    (tmp_path / "checkpoint" / "step-3").mkdir(parents=True)
     claim_checkpoint_folder(job(tmp_path, "AdamW", exclude=["optimizer"]))
-    assert (tmp_path / "checkpoint" / OPTIMIZER_MARK).read_text() == "AdamW\n"
+    assert optimizer_mark(tmp_path / "checkpoint").read_text() == "AdamW\n"
 
 
 def test_only_rank_0_marks_and_nothing_without_checkpointing(tmp_path, monkeypatch):
@@ -50,4 +54,4 @@ def test_only_rank_0_marks_and_nothing_without_checkpointing(tmp_path, monkeypat
     claim_checkpoint_folder(job(tmp_path, "DMuon"))
     monkeypatch.setenv("RANK", "0")
     claim_checkpoint_folder(job(tmp_path, "DMuon", enable=False))
-    assert not (tmp_path / "checkpoint").exists()
+    assert list(tmp_path.iterdir()) == []

@@ -260,8 +260,11 @@ def optimizer_state_to_load(optimizers: Stateful, checkpoint_id: str) -> Statefu
     return _WithoutKeys(optimizers, normuon)
 
 
-OPTIMIZER_MARK = "optimizer_name.txt"
-"""In a checkpoint folder: the ``[optimizer] name`` of the run that last used it."""
+def optimizer_mark(folder: Path) -> Path:
+    """Beside a checkpoint folder (never in it: TorchTitan resumes from a folder that
+    exists, and would then ignore ``initial_load_path``), the ``[optimizer] name`` of the
+    run that last used it."""
+    return folder.with_name(folder.name + ".optimizer")
 
 
 def claim_checkpoint_folder(job_config) -> None:
@@ -282,7 +285,7 @@ def claim_checkpoint_folder(job_config) -> None:
     if not checkpoint.enable:
         return
     folder = Path(job_config.job.dump_folder, checkpoint.folder)
-    mark, name = folder / OPTIMIZER_MARK, job_config.optimizer.name
+    mark, name = optimizer_mark(folder), job_config.optimizer.name
     saved = mark.read_text().strip() if mark.is_file() else None
     steps = folder.is_dir() and any(re.fullmatch(r"step-\d+", p.name) for p in folder.iterdir())
     if saved not in (None, name) and steps and "optimizer" not in checkpoint.exclude_from_loading:
@@ -294,5 +297,5 @@ def claim_checkpoint_folder(job_config) -> None:
             "optimizer)"
         )
     if int(os.environ.get("RANK", "0")) == 0:
-        folder.mkdir(parents=True, exist_ok=True)
+        mark.parent.mkdir(parents=True, exist_ok=True)
         mark.write_text(name + "\n")
