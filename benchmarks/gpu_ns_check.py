@@ -18,10 +18,9 @@ both presets instead, without timing. Writes ``ns.json`` under ``--out``, rewrit
 each shape (a timeout keeps what ran); exits 1 when a check failed.
 
 ``--device cpu`` (with ``TRITON_INTERPRET=1``) runs the same code on small shapes, to check
-this script without a GPU. Triton's interpreter before 3.7 cannot run the kernels with
-numpy 2.4 or later (it converts a 1-element array to a loop bound): there the Triton cases
-are recorded as unsupported, not failed (the GPU compiles them; tests/test_triton_sm90.py
-compiles them for sm_90 on the CPU).
+this script without a GPU. Where Triton's interpreter cannot run the kernels (triton 3.6
+with numpy 2.4: ``tests/interpreter.py``) the Triton cases are recorded as unsupported, not
+failed (the GPU compiles them; tests/test_triton_sm90.py compiles them for sm_90 on the CPU).
 """
 
 from __future__ import annotations
@@ -38,8 +37,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_ns  # noqa: E402
 
+from tests.interpreter import interpreter_unsupported  # noqa: E402
 from torchtitan_dmuon.optim.newton_schulz import (  # noqa: E402
     newton_schulz,
     ns_flops,
@@ -78,26 +79,6 @@ def fp32_products(tf32: bool):
         yield
     finally:
         torch.backends.cuda.matmul.fp32_precision = saved
-
-
-def interpreter_unsupported() -> str | None:
-    """Why Triton's interpreter cannot run the kernels here, or None (not interpreting, or
-    it can)."""
-    from torchtitan_dmuon.optim.kernels import triton_ns
-
-    if not triton_ns.INTERPRET:
-        return None
-    try:
-        triton_ns.sym_gram(torch.ones(16, 16))
-    except Exception as error:  # noqa: BLE001 - the interpreter's own failure
-        import numpy
-        import triton
-
-        return (
-            f"triton {triton.__version__}'s interpreter with numpy {numpy.__version__}: "
-            f"{type(error).__name__}: {error}"[:300]
-        )
-    return None
 
 
 def first(t: torch.Tensor) -> torch.Tensor:

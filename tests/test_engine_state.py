@@ -6,7 +6,7 @@ import re
 
 import pytest
 import torch
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 from tests.dist import run_distributed
 from tests.models import make_model, proj_predicate
@@ -14,6 +14,12 @@ from tests.workers import train_configs, train_reference
 from torchtitan_dmuon import Muon
 
 STEPS = 8
+# FSDP2's recovery after a pass that raised half-way (torch >= 2.13; the engine refuses it
+# before, naming the version: tests/test_torch_versions.py).
+needs_fsdp_reset = pytest.mark.skipif(
+    not hasattr(FSDPModule, "reset_iter_state"),
+    reason=f"FSDP2 in torch {torch.__version__} has no FSDPModule.reset_iter_state",
+)
 
 
 def _assert_matches(result, reference, rtol=1e-4):
@@ -33,6 +39,7 @@ def _assert_step_failure(by_rank, failing_rank) -> None:
     assert "injected Newton-Schulz failure" in failures[failing_rank]["message"]
 
 
+@needs_fsdp_reset
 def test_backward_failing_half_way_then_training_goes_on():
     """Every rank's backward raises after the last block reduced and before the first
     did; the loop catches it, calls zero_grad and goes on. The failed pass leaves nothing
@@ -56,6 +63,7 @@ def test_backward_failing_half_way_then_training_goes_on():
         _assert_step_failure([results[config] for results in by_rank], failing_rank=1)
 
 
+@needs_fsdp_reset
 def test_backward_failing_half_way_hsdp_async():
     """HSDP with async replicate broadcasts: the failed backward before step 1, and a
     Muon.step failing on rank 2 (another replica than rank 0's) at step 2."""

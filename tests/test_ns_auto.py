@@ -13,6 +13,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from tests.dist import run_distributed
+from tests.interpreter import interpreter_unsupported
 from tests.models import TokenModel, batch, loss_fn, make_model, proj_predicate
 from torchtitan_dmuon import Muon, MuonConfig, dedicate_params
 from torchtitan_dmuon.optim import muon, ns_backends, ns_cache, ns_choice
@@ -102,6 +103,7 @@ def _fake_timings(monkeypatch, timings, broken=None):
         ({"torch": 10.0, "triton": 9.8, "gram": 12.0}, None, "torch"),  # within the margin
     ],
 )
+@pytest.mark.skipif(interpreter_unsupported() is not None, reason=str(interpreter_unsupported()))
 def test_auto_picks_the_fastest_correct_backend(monkeypatch, timings, broken, expected):
     """The selection logic, as on CUDA (triton and gram candidates), with fake timings: a
     backend whose result is wrong is not among the measured ones."""

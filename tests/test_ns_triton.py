@@ -16,6 +16,12 @@ from torchtitan_dmuon.optim.ns_backends import get_ns_backend
 
 triton_ns = pytest.importorskip("torchtitan_dmuon.optim.kernels.triton_ns")
 
+from tests.interpreter import interpreter_unsupported  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    interpreter_unsupported() is not None, reason=str(interpreter_unsupported())
+)
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP32 = dict(rtol=1e-4, atol=1e-5)
 SMALL = triton_ns.BlockSizes(m=16, n=16, k=16)
