@@ -79,13 +79,10 @@ else
   exit 2
 fi
 
-if [[ "$NNODES" -gt 1 ]]; then
-  # On NCCL the step's failure agreement runs on gloo groups beside the engine's NCCL ones
-  # (Dedication.agreement_groups): gloo connects every pair of a group's ranks, one socket
-  # each, so near a thousand ranks the default 1024 open files run out; and it must take
-  # the interface NCCL takes (docs/cluster.md, "Several nodes").
-  ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
-  [[ -z "${NCCL_SOCKET_IFNAME:-}" ]] || export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-$NCCL_SOCKET_IFNAME}"
+# Under TP or owner groups a gloo group beside each such NCCL group (at most a node's ranks)
+# agrees before the step's second phase: gloo takes the interface NCCL is told to take.
+if [[ "$NNODES" -gt 1 && -n "${NCCL_SOCKET_IFNAME:-}" ]]; then
+  export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-$NCCL_SOCKET_IFNAME}"
 fi
 
 VENV="${DMUON_VENV:-$ROOT/.venv}"
