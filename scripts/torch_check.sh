@@ -10,8 +10,8 @@
 #    and the test extra; triton is the one that torch build requires.
 # 2. The GPU lease at toy size on the CPU (LEASE_DEVICE=cpu bash benchmarks/gpu_lease.sh):
 #    OUT_DIR/lease/gpu_lease.{json,md,log}.
-# 3. The engine's and the optimizer's tests (TESTS, default: every test but TorchTitan's
-#    training runs and the benchmarks'): OUT_DIR/pytest.log.
+# 3. The engine's and the optimizer's tests (TESTS: pytest's arguments; default: every test
+#    but TorchTitan's training runs and the benchmarks'): OUT_DIR/pytest.log.
 #
 # CI keeps its one torch (scripts/setup.sh); this is run by hand for each supported torch,
 # and its results go into the note of the change that needed it. Exit status: 0 when both
@@ -58,9 +58,11 @@ LEASE_DEVICE=cpu LEASE_BUDGET_S="${LEASE_BUDGET_S:-1500}" PYTHON="$PY" \
   bash benchmarks/gpu_lease.sh "$out/lease"
 lease_rc=$?
 
-read -r -a tests <<<"${TESTS:---ignore-glob=tests/test_titan_* --ignore-glob=tests/test_bench_*}"
+# TESTS: pytest's arguments (files or folders, options), all of them: a folder named here
+# beside files would collect the whole folder.
+read -r -a tests <<<"${TESTS:-tests --ignore-glob=tests/test_titan_* --ignore-glob=tests/test_bench_*}"
 log "pytest ${tests[*]} -> $out/pytest.log"
-"$PY" -m pytest tests -q -p no:cacheprovider "${tests[@]}" >"$out/pytest.log" 2>&1
+"$PY" -m pytest -q -p no:cacheprovider "${tests[@]}" >"$out/pytest.log" 2>&1
 tests_rc=$?
 tail -n 30 "$out/pytest.log"
 log "torch $version: lease exit $lease_rc, tests exit $tests_rc"
