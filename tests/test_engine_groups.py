@@ -63,8 +63,9 @@ def test_an_nccl_group_connects_at_creation_on_high_priority_streams(created):
 
 
 def test_gloo_twin_of_an_accelerator_group_gets_no_device_options(created):
-    """The step's host agreement (``Dedication.agreement_groups``) joins an NCCL group with a
-    gloo one over the same ranks: no device to bind, no NCCL options."""
+    """The agreement before a step's second phase (``Dedication.phase_group``) joins an NCCL
+    TP or owner group with a gloo one over the same ranks: no device to bind, no NCCL
+    options."""
     comm.engine_group(
         _parent(FakeNCCL()), "dmuon_shard_reduce_host", torch.device("cpu"), backend="gloo"
     )
