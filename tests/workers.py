@@ -15,6 +15,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
+import torchtitan_dmuon.engine.exchange as exchange_module
+import torchtitan_dmuon.engine.hooks as hooks_module
 import torchtitan_dmuon.optim.ns_choice as ns_choice_module
 from tests.models import batch, loss_fn, make_model, proj_predicate, shard_experts
 from torchtitan_dmuon import (
@@ -223,17 +225,17 @@ def train_dmuon(
     losses, norms, per_step, snapshot, events = [], [], [], None, None
     step_failure = None
     names = {d.name for u in dedication.units for d in u.params}
-    profiler = None
+    recorder = None
     for step in range(steps):
         if step == fail_before_step:
             _failing_pass(model, opt, rank, world, device)
         if step == record_events_at:
-            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-            profiler.__enter__()
-        elif profiler is not None and step == record_events_at + 2:
-            profiler.__exit__(None, None, None)
-            events = _engine_events(profiler)
-            profiler = None
+            recorder = EngineRanges()
+            recorder.__enter__()
+        elif recorder is not None and step == record_events_at + 2:
+            recorder.__exit__(None, None, None)
+            events = recorder.events
+            recorder = None
         total = torch.zeros((), device=device)
         with CollectiveCounter() as counter:
             opt.zero_grad()
@@ -425,20 +427,41 @@ def _optimizer_snapshot(opt, dedication) -> dict[str, torch.Tensor]:
     return out
 
 
-def _engine_events(profiler) -> list[tuple[str, int | None]]:
-    """The engine's replicate-broadcast ranges and pre-forwards, in start order, as
-    ``("launch" | "forward" | "wait", boundary)``."""
-    kinds = {
+class EngineRanges(contextlib.AbstractContextManager):
+    """The engine's replicate-broadcast ranges and pre-forwards, in the order they begin, as
+    ``("launch" | "forward" | "wait", boundary)``: read from the ``record_function`` names the
+    engine gives them, recorded as they are entered. (Not through torch.profiler: parsing its
+    kineto trace of a 4-rank gloo run failed once in CI with ``std::bad_alloc``.)"""
+
+    _KINDS = {
         "dmuon::replicate_broadcast": "launch",
         "dmuon::pre_forward": "forward",
         "dmuon::replicate_wait": "wait",
     }
-    events = []
-    for event in sorted(profiler.events(), key=lambda e: e.time_range.start):
-        label, _, boundary = event.name.partition(" b")
-        if label in kinds:
-            events.append((kinds[label], int(boundary) if boundary else None))
-    return events
+    _MODULES = (exchange_module, hooks_module)
+
+    def __init__(self):
+        self.events: list[tuple[str, int | None]] = []
+        self._saved = []
+
+    def _record_function(self, name, *args, **kwargs):
+        label, _, boundary = name.partition(" b")
+        if label in self._KINDS:
+            self.events.append((self._KINDS[label], int(boundary) if boundary else None))
+        return self._real(name, *args, **kwargs)
+
+    def __enter__(self):
+        self._real = torch.profiler.record_function
+        for module in self._MODULES:
+            self._saved.append((module, module.record_function))
+            module.record_function = self._record_function
+        return self
+
+    def __exit__(self, *exc):
+        for module, original in self._saved:
+            module.record_function = original
+        self._saved.clear()
+        return None
 
 
 class NorMuonReference(torch.optim.Optimizer):
