@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -439,28 +440,27 @@ class EngineRanges(contextlib.AbstractContextManager):
         "dmuon::replicate_wait": "wait",
     }
     _MODULES = (exchange_module, hooks_module)
+    _REAL = staticmethod(torch.profiler.record_function)
 
     def __init__(self):
         self.events: list[tuple[str, int | None]] = []
-        self._saved = []
+        self._patches = contextlib.ExitStack()
 
     def _record_function(self, name, *args, **kwargs):
         label, _, boundary = name.partition(" b")
         if label in self._KINDS:
             self.events.append((self._KINDS[label], int(boundary) if boundary else None))
-        return self._real(name, *args, **kwargs)
+        return self._REAL(name, *args, **kwargs)
 
     def __enter__(self):
-        self._real = torch.profiler.record_function
         for module in self._MODULES:
-            self._saved.append((module, module.record_function))
-            module.record_function = self._record_function
+            self._patches.enter_context(
+                mock.patch.object(module, "record_function", self._record_function)
+            )
         return self
 
     def __exit__(self, *exc):
-        for module, original in self._saved:
-            module.record_function = original
-        self._saved.clear()
+        self._patches.close()
         return None
 
 
