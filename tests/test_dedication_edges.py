@@ -35,6 +35,7 @@ from tests.workers import (
 )
 from torchtitan_dmuon import Muon, dedicate_params, get_dedication
 from torchtitan_dmuon.engine import fsdp as engine_fsdp
+from torchtitan_dmuon.engine.comm import CollectiveCounter
 
 BRANCH_STEPS = 3
 
@@ -70,10 +71,16 @@ def train_with_branch(
     for step in range(BRANCH_STEPS):
         inputs, targets = batch(100 + step * world + rank, 2)
         opt.zero_grad()
-        loss_fn(model, inputs, targets).backward()
+        with CollectiveCounter() as counter:
+            loss_fn(model, inputs, targets).backward()
         opt.step()
     names = {d.name for u in dedication.units for d in u.params}
-    return {"params": full_params(model, names), "dedicated": sorted(names), "log": records}
+    return {
+        "params": full_params(model, names),
+        "dedicated": sorted(names),
+        "log": records,
+        "order": counter.order,  # the last step's forward and backward
+    }
 
 
 def mean_of_ranks_reference(model, predicate, configure_for_rank, world=2):
@@ -114,15 +121,45 @@ def _used_somewhere(name, param):
 
 @pytest.mark.parametrize("fsdp", [True, False])
 def test_boundary_complete_on_one_rank_only_z3(fsdp):
-    """Only rank 0 takes the branch, only in the last block: there that block's gradients
-    are complete (its reduce starts) while rank 1 is still gathering the next blocks for
-    backward. Reduces and gathers must not share a group, or the ranks hang."""
+    """Only rank 0 takes the branch, only in the last block: one more matrix of that
+    block gets a gradient on rank 0 than on rank 1. Both ranks issue their gathers,
+    reduces and FSDP2's collectives in one order (the old code reduced a block when its
+    last gradient arrived, so rank 1 reduced it at the end of backward, after gathering
+    the others)."""
     layout = (4, {3}, _used_somewhere)  # layers, branch_layers, predicate
     by_rank = run_distributed(train_with_branch, 2, fsdp, True, *layout)
+    assert by_rank[0]["order"] == by_rank[1]["order"]
+    kinds = {kind for kind, _ in by_rank[0]["order"]}
+    assert {"broadcast", "reduce"} <= kinds, kinds
     reference = branch_reference(2, *layout)
     for name, expected in reference.items():
         torch.testing.assert_close(by_rank[0]["params"][name], expected, rtol=1e-4, atol=1e-5)
         assert torch.equal(by_rank[1]["params"][name], by_rank[0]["params"][name]), name
+
+
+def late_gradient_worker(rank, world):
+    """Block 0 also scales by the mean of block 1's o_proj (a use outside the module that
+    holds it, whose backward needs no values): that matrix's gradient is complete only
+    after block 0's backward, long after block 1's backward ended and reduced it."""
+    mesh = init_device_mesh("cpu", (world,))
+    model = make_model(seed=0, layers=2)
+    reached, first = model.layers[1].o_proj, model.layers[0]
+    forward = first.forward
+    first.forward = lambda x: forward(x) * (1 + reached.weight.mean())
+    dedicate_params(model, mesh, proj_predicate)
+    try:
+        loss_fn(model, *batch(100 + rank, 2)).backward()
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+def test_gradient_after_its_boundary_reduced_raises_on_every_rank():
+    """The reduce of a boundary goes at its post-backward, so a gradient that arrives
+    later cannot be waited for: every rank raises, naming the parameter and the way out."""
+    for message in run_distributed(late_gradient_worker, 2, timeout=120):
+        assert message is not None and "layers.1.o_proj.weight" in message, message
+        assert "hook_boundary_predicate" in message, message
 
 
 SKIPPED_BY_RANK = {0: set(), 1: {2}}

@@ -1,5 +1,6 @@
-"""The DDP-style sync of the parameters no ``fully_shard`` covers: buckets all-reduced as
-they fill, overlapping the rest of backward, as DDP's."""
+"""The DDP-style sync of the parameters no ``fully_shard`` covers: buckets all-reduced
+right after the backward of the block that holds them, overlapping the rest of backward,
+as DDP's."""
 
 import torch
 import torch.distributed as dist
@@ -46,25 +47,33 @@ def bucket_worker(rank, world, bucket_bytes):
     finally:
         dist.all_reduce = all_reduce
     # The DDP-style parameters (a non-owner's dedicated matrices hold no storage now).
-    synced = {id(p) for p in dedication.others.params}
+    others_params = dedication.others.params
+    synced = {id(p) for p in others_params}
+    names = {id(p): n for n, p in model.named_parameters()}
+    in_blocks = [
+        all(names[id(others_params[i])].startswith("layers.") for i in bucket)
+        for bucket in dedication.others.buckets
+    ]
     params = {n: p.detach().clone() for n, p in model.named_parameters() if id(p) in synced}
-    return issued, len(dedication.others.buckets), params
+    return issued, in_blocks, params
 
 
-def test_buckets_are_reduced_as_they_fill():
-    """With 4 KiB buckets the embedding, norms and head travel in several buckets, most
-    all-reduced inside backward as it fills (the old code sent one bucket from the end of
-    backward); the result is bitwise the one-bucket run's."""
+def test_buckets_go_after_their_blocks_backward():
+    """The blocks' norms and biases travel in buckets of their block, all-reduced inside
+    backward right after that block's reduce; the embedding, final norm and head (outside
+    every block) at the end of backward. Small buckets give the same values bitwise as
+    one bucket per block."""
     small = run_distributed(bucket_worker, 2, 4096)
     whole = run_distributed(bucket_worker, 2, 2**30)
-    for (issued, buckets, params), (one_issued, one_bucket, one_params) in zip(
+    layers = len(make_model(seed=0).layers)
+    for (issued, in_blocks, params), (one_issued, one_in_blocks, one_params) in zip(
         small, whole, strict=True
     ):
-        assert one_bucket == 1 and len(one_issued) == STEPS
-        assert buckets > 2
-        assert len(issued) == buckets * STEPS
-        # Every bucket fills inside backward here (every rank uses every parameter).
-        assert issued == ["backward"] * buckets * STEPS, issued
+        assert one_in_blocks == [True] * layers + [False]
+        assert one_issued == (["backward"] * layers + ["end_of_backward"]) * STEPS
+        assert len(in_blocks) > layers + 1 and in_blocks == sorted(in_blocks, reverse=True)
+        step = ["backward" if inside else "end_of_backward" for inside in in_blocks]
+        assert issued == step * STEPS, issued
         assert len(one_params) > 2
         for name, value in one_params.items():
             assert torch.equal(params[name], value), name

@@ -31,7 +31,9 @@ class BoundaryState:
             last boundary after forward; a pipeline stage keeps every boundary over its
             micro-batches).
         grad_count: Dedicated gradients accumulated in this backward.
-        reduce_ready: Every expected gradient is here: the boundary may reduce.
+        reduce_due: Its backward is over (its post-backward ran for every call, or,
+            without one, every expected gradient is here): it may reduce.
+        reduce_issued: Its reduce went out in this backward; a later gradient is an error.
         reduces: Its units' reduces issued in this backward, in issue order.
     """
 
@@ -44,7 +46,8 @@ class BoundaryState:
         self.exchange = exchange
         self.resident = False
         self.grad_count = 0
-        self.reduce_ready = False
+        self.reduce_due = False
+        self.reduce_issued = False
         self.reduces: list[PendingReduce] = []
         self._gather: list[dist.Work] | None = None
         self._replicate: list[dist.Work] = []
@@ -55,7 +58,7 @@ class BoundaryState:
 
     def start_backward(self) -> None:
         self.grad_count = 0
-        self.reduce_ready = False
+        self.reduce_due = self.reduce_issued = False
 
     # ---- values --------------------------------------------------------------------------
     def issue_gather(self) -> None:
@@ -91,8 +94,7 @@ class BoundaryState:
     def count_grad(self) -> bool:
         """One more dedicated gradient accumulated; True once all are here."""
         self.grad_count += 1
-        self.reduce_ready = self.grad_count == self.expected_grads
-        return self.reduce_ready
+        return self.grad_count == self.expected_grads
 
     def issue_reduce(self) -> None:
         """Stage 1 of every unit's reduce: pack, free the values outside the column and
@@ -102,6 +104,7 @@ class BoundaryState:
             for param in self.boundary.parameters:
                 param.grad = None  # packed (a stack's pieces by several units)
             self.resident = False  # reduce_to_column freed the values
+            self.reduce_issued = True
 
     def take_reduces(self) -> list[PendingReduce]:
         reduces, self.reduces = self.reduces, []

@@ -305,6 +305,8 @@ class CollectiveCounter:
         # Bytes of the torch.distributed (not functional) collectives by (kind, size of
         # the group they ran on).
         self.group_bytes: Counter = Counter()
+        # The torch.distributed collectives in issue order: (kind, group description).
+        self.order: list[tuple[str, str]] = []
         self._originals: list[tuple[object, str, object]] = []
 
     def _wrap(self, module, kind: str, payload) -> None:
@@ -322,6 +324,7 @@ class CollectiveCounter:
             if module is dist:
                 group = kwargs.get("group")
                 self.group_bytes[kind, dist.get_world_size(group)] += size
+                self.order.append((kind, group.group_desc if group is not None else "default"))
             return result
 
         setattr(module, kind, counted)

@@ -273,6 +273,7 @@ class Dedication:
             lambda: self.requires_gradient_sync,
             self.stats,
             self.shard_size * self.replicate_size,
+            [boundary.name for boundary in self.plan.boundaries],
         )
         self.others.broadcast_from_rank0(self.model)
         if self.exchange.replicas is not None:

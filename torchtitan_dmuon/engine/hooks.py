@@ -8,19 +8,32 @@ Per boundary (in the manner of FSDP2):
   first (as TorchTitan leaves its last block unsharded); a grad hook on the outputs is the
   pre-backward trigger (Z3 gathers again there, prefetching the next boundary in backward
   order);
-* post-accumulate-grad: when every dedicated matrix of the boundary has its gradient, its
+* post-backward (an identity ``autograd.Function`` over the boundary's inputs that need a
+  gradient, applied at pre-forward, as FSDP2's ``RegisterPostBackwardFunction``): once it
+  ran for every call of the boundary in the pass, the boundary's backward is over; its
   units' gradients are packed and SUM-reduced to their owners asynchronously (overlapping
-  the rest of backward), and non-owners free both gradient and parameter;
+  the rest of backward), non-owners free both gradient and parameter, and the DDP-style
+  buckets of the parameters inside the boundary follow;
 * end of backward (an autograd final callback): boundaries whose trigger did not fire are
   reduced too, every reduce is awaited and owners accumulate the reduced gradients.
 
 Collectives must be issued in the same order on every rank, even when a branch is unused
 on some ranks. So each kind of collective follows one fixed sequence over the boundaries
 (forward order for forward gathers, reverse order for backward gathers and reduces): a
-trigger issues everything up to its own boundary, and the end of forward / backward
-issues the rest. When a trigger fires depends on the rank, so sequences that run in the
-same pass never share a process group: gathers use the shard group, reduces the reduce
-group, and neither is FSDP2's.
+gather trigger issues every gather up to its own boundary, a reduce goes out only when
+it and every reduce before it in the sequence are due (never forced: a gradient may
+still be coming), and the end of forward / backward issues the rest. Gathers use the
+shard group, reduces the reduce group, the DDP-style buckets a group of their own, and
+none is FSDP2's.
+
+Across those groups the order is the order in which autograd runs the boundaries'
+pre- and post-backward hooks, each a node of the graph: the engine runs a device's nodes
+in decreasing creation order, so the interleaving of gathers, reduces and buckets is a
+function of the module-level graph, the same on ranks whose forwards called the same
+boundaries (what FSDP2's own order rests on). A parameter's gradient alone never moves
+a collective (an unused matrix, an expert without tokens): a boundary whose inputs need
+no gradient (no post-backward) reduces when its last gradient arrives instead, and a
+gradient that arrives after its boundary's reduce raises, naming the parameter.
 
 Which stream waits for what is the business of each boundary's
 :class:`~torchtitan_dmuon.engine.boundary.BoundaryState` and of the exchange: no host
@@ -44,6 +57,7 @@ Never a hang, never a collective matched with the wrong one. What the hooks driv
 
 from __future__ import annotations
 
+import functools
 import logging
 from enum import Enum, auto
 from typing import Protocol
@@ -52,7 +66,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.profiler import record_function
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from torchtitan_dmuon.engine.boundary import BoundaryState
 from torchtitan_dmuon.engine.exchange import Exchange, PendingReduce
@@ -65,6 +79,7 @@ __all__ = [
     "PassDivergedError",
     "PassSettings",
     "TrainingState",
+    "register_post_backward",
     "register_pre_backward",
 ]
 
@@ -119,6 +134,35 @@ class CollectiveSequence:
             self.through(self.order[-1])
 
 
+class _PostBackward(torch.autograd.Function):
+    """Identity on a boundary's inputs: its backward runs once their gradients are
+    computed, i.e. after the boundary's own backward (FSDP2's
+    ``RegisterPostBackwardFunction``)."""
+
+    @staticmethod
+    def forward(ctx, hook, *inputs):
+        ctx.hook = hook
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.hook()
+        return (None, *grads)
+
+
+def register_post_backward(args, kwargs, fn):
+    """``(args, kwargs)`` with the tensors that need a gradient passed through
+    :class:`_PostBackward`, which calls ``fn`` in backward; None if none needs one."""
+    flat, spec = tree_flatten((args, kwargs))
+    positions = [i for i, t in enumerate(flat) if torch.is_tensor(t) and t.requires_grad]
+    if not positions:
+        return None
+    outputs = _PostBackward.apply(fn, *(flat[i] for i in positions))
+    for i, tensor in zip(positions, outputs, strict=True):
+        flat[i] = tensor
+    return tree_unflatten(flat, spec)
+
+
 def register_pre_backward(output, fn) -> None:
     """Call ``fn`` when the first gradient of ``output``'s tensors arrives (the
     pre-backward trigger), when grad is enabled."""
@@ -164,6 +208,10 @@ class HookDriver:
         self.state = TrainingState.IDLE
         self._diverged = ""  # why, once DIVERGED
         self._reduced: list[BoundaryState] = []  # in issue order, this backward
+        # Calls of each boundary with a post-backward since the last backward, and how many
+        # of those post-backwards ran in this backward.
+        self._calls = [0] * len(states)
+        self._post_backwards = [0] * len(states)
         self.forward_gathers = CollectiveSequence(forward_order, self._issue_gather)
         self.backward_gathers = CollectiveSequence(backward_order, self._issue_gather)
         self.reduce_sequence = CollectiveSequence(backward_order, self._issue_reduce)
@@ -195,7 +243,9 @@ class HookDriver:
                     if hooks is not None and hooked[1].id in hooks:
                         continue
                     hooked[1].remove()
-                handle = dp.param.register_post_accumulate_grad_hook(self._post_accumulate_grad(b))
+                handle = dp.param.register_post_accumulate_grad_hook(
+                    self._post_accumulate_grad(b, dp.name)
+                )
                 self._param_hooks[dp.name] = (dp.param, handle)
 
     def remove(self) -> None:
@@ -225,6 +275,8 @@ class HookDriver:
             self.exchange.start_second_stages(last.reduces)
         self.states[b].issue_reduce()
         self._reduced.append(self.states[b])
+        if self.d.others is not None:
+            self.d.others.boundary_reduced(b)
 
     def pending_reduces(self) -> list[PendingReduce]:
         """The reduces issued in this backward, in issue order."""
@@ -252,6 +304,8 @@ class HookDriver:
     def _root_pre_forward(self, module: nn.Module, args, kwargs):
         self.reset_iter_state()
         self.d.lazy_init()
+        if self.state is TrainingState.IDLE:  # else a backward is due for earlier forwards
+            self._calls = [0] * len(self.states)
         self.state = TrainingState.FORWARD
         self.forward_gathers.reset()
         return None
@@ -286,7 +340,12 @@ class HookDriver:
                 self.forward_gathers.through(b)
                 self.states[b].wait_gather()
                 self._prefetch(self.forward_gathers)
-            return None
+            if not torch.is_grad_enabled():
+                return None
+            inputs = register_post_backward(args, kwargs, functools.partial(self._post_backward, b))
+            if inputs is not None:
+                self._calls[b] += 1
+            return inputs
 
         return hook
 
@@ -312,6 +371,7 @@ class HookDriver:
         self.state = TrainingState.BACKWARD
         self.backward_gathers.reset()
         self.reduce_sequence.reset()
+        self._post_backwards = [0] * len(self.states)
         for state in self.states:
             state.start_backward()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
@@ -324,17 +384,38 @@ class HookDriver:
         self.states[b].wait_gather()
         self._prefetch(self.backward_gathers)
 
-    def _post_accumulate_grad(self, b: int):
+    def _post_backward(self, b: int) -> None:
+        """A call of boundary ``b`` finished its backward: after its last call's, the
+        boundary is due to reduce."""
+        self._start_backward()
+        self._post_backwards[b] += 1
+        if self._post_backwards[b] == self._calls[b]:
+            self.states[b].reduce_due = True
+            if self.d.requires_gradient_sync:
+                self._issue_due_reduces()
+
+    def _post_accumulate_grad(self, b: int, name: str):
         def hook(param: torch.Tensor) -> None:
             self._start_backward()
-            if self.states[b].count_grad() and self.d.requires_gradient_sync:
-                self._issue_ready_reduces()
+            state = self.states[b]
+            if state.reduce_issued:
+                raise RuntimeError(
+                    f"dmuon: the gradient of {name} arrived after its hook boundary "
+                    f"{state.boundary.name!r} finished its backward and was reduced (the "
+                    "parameter is used outside that module): choose a boundary that holds "
+                    "every use of it with dedicate_params(hook_boundary_predicate=...)"
+                )
+            if state.count_grad() and self._calls[b] == 0:
+                # No post-backward in this pass (no input needed a gradient).
+                state.reduce_due = True
+                if self.d.requires_gradient_sync:
+                    self._issue_due_reduces()
 
         return hook
 
-    def _issue_ready_reduces(self) -> None:
+    def _issue_due_reduces(self) -> None:
         sequence = self.reduce_sequence
-        while sequence.upcoming() is not None and self.states[sequence.upcoming()].reduce_ready:
+        while sequence.upcoming() is not None and self.states[sequence.upcoming()].reduce_due:
             sequence.through(sequence.upcoming())
 
     def _end_backward(self) -> None:
@@ -354,6 +435,7 @@ class HookDriver:
                 ) from error
         if self.d.reshard_after_backward:
             self.free_all()
+        self._calls = [0] * len(self.states)
         self.state = TrainingState.IDLE
 
     def reduce_accumulated(self) -> None:

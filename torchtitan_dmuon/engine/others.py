@@ -5,13 +5,16 @@ With no ``fully_shard`` at all (DDP-style) or a partial one, some trainable para
 plain tensors that nothing else keeps in sync. The engine starts them from the first
 data-parallel rank's values (as DDP does) and all-reduces their gradients in buckets, as
 DDP does: in reverse registration order (about the order backward produces them), each
-bucket all-reduced over the shard group as soon as all its gradients are here, so the
-reduces overlap the rest of backward; under HSDP each is all-reduced across replicas
-after backward. Buckets go out in one fixed order on every rank (a bucket is issued
-only after the one before it), and the end of backward issues those not full yet (a
-parameter some rank did not use): the same collectives on every rank, whatever each rank
-computed. They run on groups of their own, never over ranks of other pipeline stages and
-never interleaved with the dedicated reduces, whose timing differs.
+bucket all-reduced over the shard group once every hook boundary holding one of its
+parameters has finished its backward and reduced (the hooks call
+:meth:`OtherParams.boundary_reduced`), so the reduces overlap the rest of backward; a
+bucket with a parameter outside every boundary (an embedding, a head) waits for the end
+of backward. Under HSDP each is all-reduced across replicas after backward. Buckets go
+out in one fixed order on every rank (a bucket is issued only after the one before it),
+at points fixed by the boundaries' backward, never by when a gradient arrives (a
+parameter some rank did not use): the same collectives in the same place on every rank,
+whatever each rank computed. They run on groups of their own, never over ranks of other
+pipeline stages.
 """
 
 from __future__ import annotations
@@ -39,21 +42,43 @@ BUCKET_BYTES = 25 * 2**20
 parameter gets a bucket of its own."""
 
 
-def bucket_params(params: list[nn.Parameter], cap: int | None = None) -> list[list[int]]:
-    """Indices into ``params`` of each bucket, in issue order: reverse registration
-    order, a new bucket where the dtype changes or the next gradient would pass ``cap``
-    bytes (default :data:`BUCKET_BYTES`)."""
+def bucket_params(
+    params: list[nn.Parameter], cap: int | None = None, holders: list[int | None] | None = None
+) -> list[list[int]]:
+    """Indices into ``params`` of each bucket, in issue order: by the hook boundary that
+    holds them (``holders``, forward indices) in backward order, those outside every
+    boundary last; within one, reverse registration order; a new bucket where the
+    boundary or the dtype changes or the next gradient would pass ``cap`` bytes (default
+    :data:`BUCKET_BYTES`)."""
     cap = BUCKET_BYTES if cap is None else cap
+    holders = holders if holders is not None else [None] * len(params)
+
+    def backward_position(i: int) -> tuple[int, int]:
+        holder = holders[i]
+        return (1, 0) if holder is None else (0, -holder)
+
     buckets: list[list[int]] = []
-    size, dtype = 0, None
-    for i in reversed(range(len(params))):
+    size, key = 0, None
+    for i in sorted(reversed(range(len(params))), key=backward_position):
         nbytes = local_tensor(params[i]).numel() * params[i].dtype.itemsize
-        if not buckets or params[i].dtype != dtype or size + nbytes > cap:
+        this = (holders[i], params[i].dtype)
+        if not buckets or this != key or size + nbytes > cap:
             buckets.append([])
-            size, dtype = 0, params[i].dtype
+            size, key = 0, this
         buckets[-1].append(i)
         size += nbytes
     return buckets
+
+
+def innermost_boundary(name: str, boundary_names: list[str]) -> int | None:
+    """Index in ``boundary_names`` of the innermost hook boundary holding parameter
+    ``name`` ("" is the root, which holds everything), or None."""
+    best = None
+    for b, boundary in enumerate(boundary_names):
+        if boundary == "" or name.startswith(boundary + "."):
+            if best is None or len(boundary) > len(boundary_names[best]):
+                best = b
+    return best
 
 
 def _fsdp_covered_modules(model: nn.Module) -> set[nn.Module]:
@@ -72,7 +97,6 @@ class _Bucket:
     """One bucket's parameters and its all-reduce in the current backward."""
 
     indices: list[int]
-    ready: int = 0  # gradients accumulated in this backward
     tensor: torch.Tensor | None = None
     work: dist.Work | None = None
     grads: list = field(default_factory=list)  # this rank's, when packed
@@ -95,6 +119,7 @@ class OtherParams:
         syncing: Callable[[], bool],
         stats: comm.CommStats,
         ranks: int,
+        boundary_names: list[str],
     ) -> None:
         covered = _fsdp_covered_modules(model)
         named = [
@@ -114,9 +139,14 @@ class OtherParams:
         # The engine's own groups, created only where there is something to sync (every
         # rank alike: the selection is structural).
         self._groups = groups() if self.params else []
-        self._buckets = [_Bucket(indices) for indices in bucket_params(self.params)]
+        holders = [innermost_boundary(name, boundary_names) for name, _ in named]
+        self._buckets = [_Bucket(i) for i in bucket_params(self.params, holders=holders)]
         self.buckets = [b.indices for b in self._buckets]
         self._bucket_of = {i: b for b, bucket in enumerate(self._buckets) for i in bucket.indices}
+        # The boundary each bucket waits for; None: outside every boundary (end of backward).
+        self._due_after = [holders[b[0]] for b in self.buckets]
+        self._names = [name for name, _ in named]
+        self._reduced: set[int] = set()  # boundaries reduced in this backward
         self._next = 0  # the next bucket to issue
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._grad_ready(i))
@@ -152,17 +182,23 @@ class OtherParams:
     # ---- backward ------------------------------------------------------------------------
     def _grad_ready(self, i: int):
         def hook(param: torch.Tensor) -> None:
-            if not self._syncing():
-                return  # accumulating: reduced by the backward that syncs
-            bucket = self._buckets[self._bucket_of[i]]
-            bucket.ready += 1
-            while self._next < len(self._buckets):
-                upcoming = self._buckets[self._next]
-                if upcoming.ready < len(upcoming.indices):
-                    break
-                self._issue(upcoming)
+            if self._syncing() and self._bucket_of[i] < self._next:
+                raise RuntimeError(
+                    f"dmuon: the gradient of {self._names[i]} arrived after its hook "
+                    "boundary finished its backward and its DDP-style bucket was reduced "
+                    "(the parameter is used outside that module): choose a boundary that "
+                    "holds every use of it with dedicate_params(hook_boundary_predicate=...)"
+                )
 
         return hook
+
+    def boundary_reduced(self, boundary: int) -> None:
+        """Boundary ``boundary`` reduced: issue the buckets now due, in order."""
+        self._reduced.add(boundary)
+        while self._next < len(self._buckets):
+            if self._due_after[self._next] not in self._reduced:  # None: never
+                break
+            self._issue(self._buckets[self._next])
 
     def _issue(self, bucket: _Bucket) -> None:
         """Pack the bucket (has-gradient flags after the gradients) and start its
@@ -239,5 +275,6 @@ class OtherParams:
 
     def _reset(self) -> None:
         for bucket in self._buckets:
-            bucket.ready, bucket.tensor, bucket.work, bucket.grads = 0, None, None, []
+            bucket.tensor, bucket.work, bucket.grads = None, None, []
+        self._reduced = set()
         self._next = 0
