@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -194,9 +194,17 @@ def pipeline_worker(rank, world, cases):
     return results
 
 
+# What an older torch cannot run is left out, so the other cases (one distributed run)
+# still run there: torch 2.11's pipelining over gloo fails ZBVZeroBubble's first step with
+# two plain nn.Linear stages per rank and no DMuon alike ("Pair is not connected" in the
+# stages' shape exchange), and FSDP2 resets its per-pass state after a failed pass from
+# torch 2.13 (FSDPModule.reset_iter_state; the engine refuses recovery before).
+NEW_TORCH = torch.torch_version.TorchVersion(torch.__version__) >= (2, 13)
+RECOVERS = hasattr(FSDPModule, "reset_iter_state")
+
 # (schedule, Z3, a backward raising half-way before step 1: caught, zero_grad, no other call)
-CASES = [(name, False, False) for name in SCHEDULES]
-CASES += [("1F1B", True, True), ("InterleavedZeroBubble", True, False)]
+CASES = [(name, False, False) for name in SCHEDULES if NEW_TORCH or name != "ZBVZeroBubble"]
+CASES += [("1F1B", True, RECOVERS), ("InterleavedZeroBubble", True, False)]
 
 
 @pytest.fixture(scope="module")
@@ -235,7 +243,10 @@ def test_schedule_matches_one_process_muon(case, pipeline_runs, reference):
         for step in range(STEPS):
             assert r["reduces"][step] == r["units"]  # one reduce per unit per step
             if not case[1]:  # Z2: one gather per unit per step, kept over the micro-batches
-                assert r["broadcasts"][step] == r["units"]
+                # (torch < 2.13 infers the stages' shapes with a no-grad forward of their
+                # own at the first step, after which the values are freed: one more)
+                gathers = 1 if step or NEW_TORCH else 2
+                assert r["broadcasts"][step] == [gathers * u for u in r["units"]]
     matrices = sum(1 for n, p in make_model(**MODEL).named_parameters() if proj_predicate(n, p))
     assert sum(r["ns_matrices"] for r in by_rank) == matrices * STEPS
 

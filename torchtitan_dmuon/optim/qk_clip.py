@@ -39,6 +39,7 @@ import ``torch.distributed``: the optimizer reduces the maxima over its data-par
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from collections.abc import Callable, Sequence
@@ -126,7 +127,6 @@ class HeadRows:
 
 
 @torch.no_grad()
-@record_function("muon::qk_max_logits")
 def head_max_logits(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -507,14 +507,21 @@ def _observer(recorded: torch.Tensor, chunk_elements: int):
             mask_mod = block_mask.mask_mod
         elif attn_mask is not None:
             mask_mod = dense_mask_mod(attn_mask)
-        maxima = head_max_logits(
-            args[0],
-            args[1],
-            scale=kwargs.get("scale"),
-            causal=kwargs.get("is_causal", True),
-            mask_mod=mask_mod,
-            chunk_elements=chunk_elements,
-        )
+        # A profiler range only in eager: Dynamo in torch 2.11 cannot trace one (a
+        # per-block compile runs this hook inside the block's graph).
+        if torch.compiler.is_compiling():
+            profiled = contextlib.nullcontext()
+        else:
+            profiled = record_function("muon::qk_max_logits")
+        with profiled:
+            maxima = head_max_logits(
+                args[0],
+                args[1],
+                scale=kwargs.get("scale"),
+                causal=kwargs.get("is_causal", True),
+                mask_mod=mask_mod,
+                chunk_elements=chunk_elements,
+            )
         torch.maximum(recorded, maxima, out=recorded)
 
     return observe
