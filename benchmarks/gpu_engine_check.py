@@ -1,9 +1,9 @@
 """The ``engine`` and ``syncs`` steps of ``benchmarks/gpu_lease.sh``: the engine on one GPU, and
-its host syncs.
+its host syncs. Run through the lease's one entry:
 
-    python benchmarks/gpu_engine_check.py engine --out engine.json
-    python benchmarks/gpu_engine_check.py syncs --out syncs.json
-    python benchmarks/gpu_engine_check.py engine --device cpu --out e.json   # this script's check
+    python benchmarks/gpu_lease.py engine --out engine.json
+    python benchmarks/gpu_lease.py syncs --out syncs.json
+    python benchmarks/gpu_lease.py engine --device cpu --out e.json   # a check without a GPU
 
 ``engine``: the tests' tiny transformer trained 4 steps with DMuon by
 ``tests.workers.train_dmuon`` (the CPU suite's training loop) on CUDA tensors, each run
@@ -390,8 +390,9 @@ def syncs(args: argparse.Namespace) -> dict:
     }
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str]) -> int:
+    """``argv``: ``engine`` or ``syncs``, then that step's arguments."""
+    parser = argparse.ArgumentParser(prog="gpu_lease.py", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name, helptext in (("engine", "the engine"), ("syncs", "host syncs")):
         p = sub.add_parser(name, help=helptext)
@@ -407,7 +408,7 @@ def main() -> int:
         else:
             p.add_argument("--warmup", type=int, default=2)
             p.add_argument("--steps", type=int, default=3)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: nothing to check", file=sys.stderr)
         return 1
@@ -415,7 +416,3 @@ def main() -> int:
     _write(args.out, result)
     print(f"wrote {args.out}")
     return 1 if result.get("failed") else 0  # unsupported cases are not failures
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,8 +1,13 @@
-"""The helpers of ``benchmarks/gpu_lease.sh`` that need no GPU: wheels, environment, summary.
+"""The one Python entry of ``benchmarks/gpu_lease.sh``: every step it runs is a command here.
 
     python benchmarks/gpu_lease.py wheels --dir .gpu_wheels [--install SITE]
     python benchmarks/gpu_lease.py env --out env.json [--site SITE]
+    python benchmarks/gpu_lease.py engine|syncs ARGS...   # benchmarks/gpu_engine_check.py
+    python benchmarks/gpu_lease.py ns ARGS...             # benchmarks/gpu_ns_check.py
+    python benchmarks/gpu_lease.py titan ARGS...          # benchmarks/gpu_titan_check.py
     python benchmarks/gpu_lease.py summary --work WORK --out OUT [--quick]
+
+The GPU checks live in a module each (``ARGS --help`` lists a check's arguments).
 
 ``wheels`` checks that the folder holds exactly the wheels of ``scripts/gpu_wheels.txt``
 (one per pin) and, with ``--install``, installs them with ``pip install --no-index
@@ -51,6 +56,13 @@ IMPORTS = [
     "torchtitan_dmuon.titan.train", "tests.workers",
 ]  # fmt: skip
 """What the steps import, checked one by one in the order a failure would show."""
+CHECKS = {
+    "engine": ("gpu_engine_check", ["engine"], "the engine on one GPU"),
+    "syncs": ("gpu_engine_check", ["syncs"], "host syncs per step"),
+    "ns": ("gpu_ns_check", [], "the Newton-Schulz backends"),
+    "titan": ("gpu_titan_check", [], "TorchTitan on one GPU, one optimizer"),
+}
+"""The GPU steps' commands: (module in benchmarks/, leading arguments, help)."""
 SHADOWING = ("test",)
 """Top-level folders a wheel ships that would shadow the standard library on PYTHONPATH
 (torchao's wheel carries its tests as a package ``test``): removed after installing."""
@@ -496,9 +508,18 @@ def markdown(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def run_check(command: str, argv: list[str]) -> int:
+    """A GPU step: its module's ``main``, imported only now (it imports torch)."""
+    module, leading, _ = CHECKS[command]
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    return importlib.import_module(module).main([*leading, *argv])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    for name, (_, _, helptext) in CHECKS.items():  # their arguments are their modules'
+        sub.add_parser(name, help=helptext, add_help=False)
     wheels = sub.add_parser("wheels", help="check (and install) the carried wheels")
     wheels.add_argument("--dir", type=Path, default=ROOT / ".gpu_wheels")
     wheels.add_argument("--list", type=Path, default=WHEEL_LIST)
@@ -513,7 +534,11 @@ def main() -> int:
     summary.add_argument("--quick", action="store_true")
     summary.add_argument("--elapsed", type=int)
     summary.add_argument("--budget", type=int)
-    args = parser.parse_args()
+    args, rest = parser.parse_known_args()
+    if args.command in CHECKS:
+        return run_check(args.command, rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     return {"wheels": cmd_wheels, "env": cmd_env, "summary": cmd_summary}[args.command](args)
 
 

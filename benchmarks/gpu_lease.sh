@@ -20,15 +20,15 @@
 #   engine       the engine over NCCL at world size 1 (every collective path, on its streams
 #                with real device work; recovery from a failed backward and a failed step)
 #                and 2 or 4 processes sharing the GPU over gloo (FSDP Z2/Z3, HSDP 2x2 async),
-#                each against one-process torch.optim.Muon (benchmarks/gpu_engine_check.py)
+#                each against one-process torch.optim.Muon (gpu_lease.py engine)
 #   syncs        host syncs per step under torch.cuda.set_sync_debug_mode("warn"), forward,
 #                backward, step and zero_grad apart: DMuon and FSDP2 + fused AdamW
 #   ns           the Newton-Schulz backends (torch, Triton compiled, gram, auto) in bf16 and
 #                fp32/TF32 at two of Llama-3 8B's shapes: times, speed against torch, error
-#                against fp64 (benchmarks/gpu_ns_check.py)
+#                against fp64 (gpu_lease.py ns)
 #   titan_DMuon  TorchTitan, a ~1B llama3 as the repo's GPU configs ship it (bf16, selective
 #   titan_AdamW  AC) on one GPU, eager, TITAN_STEPS (20) steps with each optimizer: tokens/s,
-#                MFU, peak memory, loss, the dmuon: lines (benchmarks/gpu_titan_check.py)
+#                MFU, peak memory, loss, the dmuon: lines (gpu_lease.py titan)
 #   titan_DMuon_compiled, titan_AdamW_compiled   the same with torch.compile
 #   titan_DMuon_float8  the same with float8 linears (torchao, torch._scaled_mm), 10 steps
 # Results in OUT_DIR (three files, as the device tool brings back at most eight):
@@ -125,15 +125,9 @@ skip() { record "$1" skipped "" "" "" "$2"; }
 say "GPU lease check: $(date -u '+%F %T UTC'), $ROOT at $(git rev-parse --short HEAD 2>/dev/null || echo '?'), PYTHON=$PY, budget ${BUDGET}s${quick:+, QUICK}"
 gpu_steps=(engine syncs ns titan_DMuon titan_AdamW titan_DMuon_compiled titan_AdamW_compiled
   titan_DMuon_float8)
-declare -A entry=(
-  [engine]="benchmarks/gpu_engine_check.py engine"
-  [syncs]="benchmarks/gpu_engine_check.py syncs"
-  [ns]="benchmarks/gpu_ns_check.py"
-  [titan_DMuon]="benchmarks/gpu_titan_check.py"
-  [titan_AdamW]="benchmarks/gpu_titan_check.py"
-  [titan_DMuon_compiled]="benchmarks/gpu_titan_check.py"
-  [titan_AdamW_compiled]="benchmarks/gpu_titan_check.py"
-  [titan_DMuon_float8]="benchmarks/gpu_titan_check.py"
+declare -A entry=( # each step's command of benchmarks/gpu_lease.py, the one entry
+  [engine]=engine [syncs]=syncs [ns]=ns [titan_DMuon]=titan [titan_AdamW]=titan
+  [titan_DMuon_compiled]=titan [titan_AdamW_compiled]=titan [titan_DMuon_float8]=titan
 )
 float8=(--model.converters quantize.linear.float8)
 
@@ -149,7 +143,7 @@ if [[ -n "$quick" ]]; then
   for name in "${gpu_steps[@]}"; do
     # One --help per entry; the titan steps share theirs.
     if [[ -n "${helped[${entry[$name]}]:-}" ]] \
-      || step "$name" 60 "$PY" ${entry[$name]} --help; then # (the entry: a script, a subcommand)
+      || step "$name" 60 "$PY" benchmarks/gpu_lease.py "${entry[$name]}" --help; then
       helped[${entry[$name]}]=1
       skip "$name" "no GPU (QUICK=1: its entry's --help ran)"
     fi
@@ -171,16 +165,16 @@ else
   titan() {
     local name="$1" limit="$2" optimizer="$3" compile="$4"
     shift 4
-    step "$name" "$limit" "$PY" benchmarks/gpu_titan_check.py --optimizer "$optimizer" \
+    step "$name" "$limit" "$PY" benchmarks/gpu_lease.py titan --optimizer "$optimizer" \
       --dump "$work/$name" "${toy[@]}" -- "--compile.$compile" "$@"
   }
   if [[ "${LEASE_DEVICE:-cuda}" == cpu ]]; then
     toy=(--flavor debugmodel --config train_configs/debug_cpu.toml --seq-len 128 --batch 2
       --steps "${TITAN_STEPS:-3}")
-    step engine 240 "$PY" benchmarks/gpu_engine_check.py engine --device cpu \
+    step engine 240 "$PY" benchmarks/gpu_lease.py engine --device cpu \
       --out "$work/engine.json"
-    step syncs 90 "$PY" benchmarks/gpu_engine_check.py syncs --device cpu --out "$work/syncs.json"
-    step ns 120 env TRITON_INTERPRET=1 "$PY" benchmarks/gpu_ns_check.py --device cpu \
+    step syncs 90 "$PY" benchmarks/gpu_lease.py syncs --device cpu --out "$work/syncs.json"
+    step ns 120 env TRITON_INTERPRET=1 "$PY" benchmarks/gpu_lease.py ns --device cpu \
       --shapes 64x128 128x64 --reps 1 --out "$work/ns"
     titan titan_DMuon 150 DMuon no-enable
     titan titan_AdamW 150 AdamW no-enable
@@ -192,10 +186,10 @@ else
     for name in "${gpu_steps[@]}"; do skip "$name" "no GPU (torch sees no CUDA device)"; done
   else
     toy=(--steps "${TITAN_STEPS:-20}")
-    step engine 120 "$PY" benchmarks/gpu_engine_check.py engine --timeout 60 \
+    step engine 120 "$PY" benchmarks/gpu_lease.py engine --timeout 60 \
       --out "$work/engine.json"
-    step syncs 45 "$PY" benchmarks/gpu_engine_check.py syncs --out "$work/syncs.json"
-    step ns 75 "$PY" benchmarks/gpu_ns_check.py --shapes 4096x4096 4096x14336 --reps 5 \
+    step syncs 45 "$PY" benchmarks/gpu_lease.py syncs --out "$work/syncs.json"
+    step ns 75 "$PY" benchmarks/gpu_lease.py ns --shapes 4096x4096 4096x14336 --reps 5 \
       --out "$work/ns"
     titan titan_DMuon 75 DMuon no-enable
     titan titan_AdamW 75 AdamW no-enable

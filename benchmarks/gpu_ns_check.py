@@ -1,9 +1,10 @@
-"""The ``ns`` step of ``benchmarks/gpu_lease.sh``: the Newton-Schulz backends on a GPU.
+"""The ``ns`` step of ``benchmarks/gpu_lease.sh``: the Newton-Schulz backends on a GPU. Run
+through the lease's one entry:
 
-    python benchmarks/gpu_ns_check.py --out DIR                         # Llama-3 8B's shapes
-    python benchmarks/gpu_ns_check.py --shapes 4096x4096 4096x14336 --reps 5 --out DIR
-    python benchmarks/gpu_ns_check.py --suite correctness --out DIR     # odd shapes, presets
-    TRITON_INTERPRET=1 python benchmarks/gpu_ns_check.py --device cpu --shapes 64x128 --reps 1
+    python benchmarks/gpu_lease.py ns --out DIR                         # Llama-3 8B's shapes
+    python benchmarks/gpu_lease.py ns --shapes 4096x4096 4096x14336 --reps 5 --out DIR
+    python benchmarks/gpu_lease.py ns --suite correctness --out DIR     # odd shapes, presets
+    TRITON_INTERPRET=1 python benchmarks/gpu_lease.py ns --device cpu --shapes 64x128 --reps 1
 
 For each shape (default: Llama-3 8B's, :data:`LLAMA3_8B_SHAPES`), in bf16 and in fp32 with
 TF32 products (set through torch's one ``fp32_precision`` API, :func:`fp32_products`): the
@@ -190,14 +191,14 @@ def check_symmetry(shape: tuple[int, ...], device: torch.device) -> dict:
     return dict(check="sym_gram", shape=list(shape), rel_err=err, ok=symmetric and err < 1e-2)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="gpu_lease.py ns", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="outputs/gpu_ns_check")
     parser.add_argument("--device", default="cuda", help="cpu: a check of this script")
     parser.add_argument("--suite", choices=["speed", "correctness"], default="speed")
     parser.add_argument("--shapes", nargs="+", type=parse_shape, help="MxN (default: Llama-3 8B's)")
     parser.add_argument("--reps", type=int, default=10, help="timed runs per case (median)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: nothing to check", file=sys.stderr)
@@ -252,7 +253,3 @@ def main() -> int:
         f"{len(result['records'])} records; wrote {args.out}/ns.json"
     )
     return 1 if failures else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,10 +1,11 @@
-"""Step 2 of ``benchmarks/gpu_lease.sh``: TorchTitan on one GPU, a ~1B llama3, one optimizer.
+"""The ``titan_*`` steps of ``benchmarks/gpu_lease.sh``: TorchTitan on one GPU, a ~1B llama3,
+one optimizer. Run through the lease's one entry:
 
-    python benchmarks/gpu_titan_check.py --optimizer DMuon --dump DIR     # one GPU
-    python benchmarks/gpu_titan_check.py --optimizer AdamW --dump DIR
-    python benchmarks/gpu_titan_check.py --optimizer DMuon --flavor debugmodel \\
+    python benchmarks/gpu_lease.py titan --optimizer DMuon --dump DIR     # one GPU
+    python benchmarks/gpu_lease.py titan --optimizer AdamW --dump DIR
+    python benchmarks/gpu_lease.py titan --optimizer DMuon --flavor debugmodel \\
         --config train_configs/debug_cpu.toml --seq-len 128 --batch 2 --steps 3 --dump DIR
-        # the same on a CPU (one gloo rank): a check of this script
+        # the same on a CPU (one gloo rank): a check without a GPU
 
 Trains with ``torchtitan_dmuon.titan.train``'s trainer in this process as rank 0 of 1
 (the environment torchrun gives a rank, without torchrun or ``run_train.sh``, so that it
@@ -24,7 +25,6 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-import sys
 from pathlib import Path
 
 # As run_train.sh: fewer out-of-memory errors from fragmentation (read at the first
@@ -36,7 +36,8 @@ from torchtitan.config.manager import ConfigManager  # noqa: E402
 from torchtitan.models.llama3 import TransformerModelArgs, llama3_args  # noqa: E402
 
 from torchtitan_dmuon.titan import register  # noqa: E402
-from torchtitan_dmuon.titan.train import DMuonTrainer, main  # noqa: E402
+from torchtitan_dmuon.titan.train import DMuonTrainer  # noqa: E402
+from torchtitan_dmuon.titan.train import main as train  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 FLAVOR_1B = TransformerModelArgs(
@@ -86,7 +87,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if "--" in argv:
         at = argv.index("--")
         ours, overrides = argv[:at], argv[at + 1 :]
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="gpu_lease.py titan", description=__doc__.split("\n")[0])
     parser.add_argument("--optimizer", choices=["DMuon", "AdamW"], required=True)
     parser.add_argument("--dump", type=Path, required=True, help="TorchTitan's dump folder")
     parser.add_argument("--steps", type=int, default=30)
@@ -100,7 +101,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return parser.parse_args(ours), overrides
 
 
-def run(argv: list[str]) -> None:
+def main(argv: list[str]) -> int:
     args, overrides = parse_args(argv)
     os.chdir(ROOT)  # the config's relative paths
     llama3_args.setdefault("1B", FLAVOR_1B)
@@ -116,7 +117,7 @@ def run(argv: list[str]) -> None:
     print("gpu_lease: TorchTitan " + " ".join(command), flush=True)
     # TorchTitan's parse_args reads the sys.argv of when it was imported: this run's.
     ConfigManager.parse_args.__defaults__ = (command,)
-    main(DMuonTrainer)
+    train(DMuonTrainer)
     if torch.cuda.is_available():
         gib = 2**30
         print(
@@ -124,7 +125,4 @@ def run(argv: list[str]) -> None:
             f"peak reserved {torch.cuda.max_memory_reserved() / gib:.2f} GiB",
             flush=True,
         )
-
-
-if __name__ == "__main__":
-    run(sys.argv[1:])
+    return 0
