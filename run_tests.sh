@@ -15,7 +15,7 @@ if [[ $# -gt 0 ]]; then
 fi
 "$PY" -m pytest tests
 other="$("$PY" -c 'import torch
-from torchtitan_dmuon.optim.ns_choice import other_verdict
+from tests.support.ns_verdict import other_verdict
 print(other_verdict(torch.device("cpu")))')"
 echo "[tests] the ns_verdict tests again as a CPU whose ns_dtype='auto' picks $other:"
 echo "[tests] TORCHTITAN_DMUON_AUTO_NS_DTYPE=$other"

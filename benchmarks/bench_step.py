@@ -62,6 +62,7 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # tests.support
 from bench_model import (  # noqa: E402
     BenchTransformer,
     matrix_predicate,
@@ -79,7 +80,7 @@ from reference import (  # noqa: E402
 )
 
 import torchtitan_dmuon as dmuon  # noqa: E402
-from torchtitan_dmuon.engine.comm import CollectiveCounter  # noqa: E402
+from tests.support.collectives import CollectiveCounter  # noqa: E402
 from torchtitan_dmuon.optim.config import MuonConfig  # noqa: E402
 from torchtitan_dmuon.optim.newton_schulz import ns_flops  # noqa: E402
 from torchtitan_dmuon.optim.ns_cache import cpu_description  # noqa: E402

@@ -21,6 +21,7 @@ from tests.models import (
     proj_predicate,
     shard_experts,
 )
+from tests.support.collectives import CollectiveCounter
 from tests.workers import (
     ADAMW_KW,
     MUON_KW,
@@ -35,7 +36,6 @@ from tests.workers import (
 )
 from torchtitan_dmuon import Muon, dedicate_params, get_dedication
 from torchtitan_dmuon.engine import fsdp as engine_fsdp
-from torchtitan_dmuon.engine.comm import CollectiveCounter
 
 BRANCH_STEPS = 3
 

@@ -12,6 +12,7 @@ from torch.distributed.fsdp import fully_shard
 
 from tests.dist import run_distributed
 from tests.models import batch, loss_fn, make_model, proj_predicate
+from tests.support.host_sync import HostSyncCounter
 from tests.workers import (
     ADAMW_KW,
     MUON_KW,
@@ -24,7 +25,6 @@ from tests.workers import (
 )
 from torchtitan_dmuon import Muon, dedicate_params
 from torchtitan_dmuon.engine import comm
-from torchtitan_dmuon.host_sync import HostSyncCounter
 from torchtitan_dmuon.optim.muon import MatrixGroup, commit_group, compute_group
 from torchtitan_dmuon.optim.newton_schulz import newton_schulz, resolve_ns_schedule
 

@@ -15,6 +15,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from tests.dist import run_distributed
 from tests.interpreter import interpreter_unsupported
 from tests.models import TokenModel, batch, loss_fn, make_model, proj_predicate
+from tests.support.ns_verdict import other_verdict
 from torchtitan_dmuon import Muon, MuonConfig, dedicate_params
 from torchtitan_dmuon.optim import muon, ns_backends, ns_cache, ns_choice
 from torchtitan_dmuon.optim.newton_schulz import newton_schulz, resolve_ns_schedule
@@ -269,7 +270,7 @@ def test_verdict_switch_takes_the_other_kind_of_machines_verdict(monkeypatch, fo
     assert ns_cache.cpu_description() in chosen.dtype_reason
     assert f"{ns_choice.VERDICT_ENV}={forced}" in caplog.text
     other = {"bfloat16": "float32", "float32": "bfloat16"}[forced]
-    assert ns_choice.other_verdict(torch.device("cpu")) == other
+    assert other_verdict(torch.device("cpu")) == other
     monkeypatch.setenv(ns_choice.VERDICT_ENV, "bf16")
     with pytest.raises(ValueError, match=f"{ns_choice.VERDICT_ENV} must be one of"):
         Muon(model, predicate=proj_predicate)

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
 from tests.dist import run_distributed
-from torchtitan_dmuon.engine.comm import CollectiveCounter
+from tests.support.collectives import CollectiveCounter
 from torchtitan_dmuon.optim.newton_schulz import (
     newton_schulz,
     resolve_ns_schedule,

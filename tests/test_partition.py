@@ -9,9 +9,15 @@ from torchtitan_dmuon.engine.plan import (
     assign_owners,
     build_plan,
     expert_ranges,
-    load_balance,
+    max_over_mean,
+    rank_loads,
 )
 from torchtitan_dmuon.optim.newton_schulz import ns_flops
+
+
+def load_balance(items, owners, num_ranks) -> float:
+    """Max over mean of the per-rank cost (1.0 is perfect balance)."""
+    return max_over_mean(rank_loads(items, owners, num_ranks))
 
 
 def _llama_like(layers=4, d=64, hidden=176):

@@ -19,8 +19,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from tests.dist import run_distributed
 from tests.models import ExpertBlock, loss_fn, make_model, proj_or_experts_predicate
+from tests.support.collectives import CollectiveCounter
 from tests.workers import ADAMW_KW, data_for, train_configs
-from torchtitan_dmuon.engine.comm import CollectiveCounter
 
 # torch.distributed functions (as CollectiveCounter names them) by what they do.
 KINDS = {

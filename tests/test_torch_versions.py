@@ -80,7 +80,7 @@ def test_collective_counter_wraps_only_what_this_torch_has(monkeypatch):
     import torch.distributed as dist
     from torch.distributed import _functional_collectives as funcol
 
-    from torchtitan_dmuon.engine.comm import CollectiveCounter
+    from tests.support.collectives import CollectiveCounter
 
     for module in (dist, funcol):
         for name in ("all_gather_single", "reduce_scatter_single"):

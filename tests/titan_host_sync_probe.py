@@ -12,7 +12,7 @@ import json
 
 import torch.distributed as dist
 
-from torchtitan_dmuon.host_sync import HostSyncCounter
+from tests.support.host_sync import HostSyncCounter
 from torchtitan_dmuon.titan.train import DMuonTrainer
 
 

@@ -20,6 +20,7 @@ import torchtitan_dmuon.engine.exchange as exchange_module
 import torchtitan_dmuon.engine.hooks as hooks_module
 import torchtitan_dmuon.optim.ns_choice as ns_choice_module
 from tests.models import batch, loss_fn, make_model, proj_predicate, shard_experts
+from tests.support.collectives import CollectiveCounter
 from torchtitan_dmuon import (
     Muon,
     MuonStepError,
@@ -29,7 +30,6 @@ from torchtitan_dmuon import (
     materialize,
     set_requires_gradient_sync,
 )
-from torchtitan_dmuon.engine.comm import CollectiveCounter
 from torchtitan_dmuon.engine.report import StepCounts, plan_report
 from torchtitan_dmuon.engine.unit import Unit
 from torchtitan_dmuon.optim.newton_schulz import newton_schulz, resolve_ns_schedule
@@ -272,7 +272,7 @@ def train_dmuon(
             if not d.layout.is_piece
             else f"{d.name}#{d.layout.block[0]}/{d.layout.block[1]}"
             if d.layout.block is not None
-            else f"{d.name}[{d.layout.global_experts[0]}:{d.layout.global_experts[1]}]"
+            else "{}[{}:{}]".format(d.name, *d.layout.experts_of(d.layout.ep_rank))
             for u in dedication.units
             if u.primary
             for d in u.params

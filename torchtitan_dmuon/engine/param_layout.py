@@ -327,11 +327,6 @@ class ParamLayout:
         first = ep_rank * self.local_experts
         return self.experts[0] + first, self.experts[1] + first
 
-    @property
-    def global_experts(self) -> tuple[int, int] | None:
-        """This rank's piece's ``[start, stop)`` in the whole stack (None for a matrix)."""
-        return None if self.experts is None else self.experts_of(self.ep_rank)
-
     def select(self, value: torch.Tensor) -> torch.Tensor:
         """Its part of a local value of the whole parameter (a piece's experts, a block's
         rows or columns)."""

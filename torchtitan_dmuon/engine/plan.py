@@ -70,7 +70,6 @@ __all__ = [
     "build_plan",
     "default_boundary_modules",
     "expert_ranges",
-    "load_balance",
     "plan_with_groups",
     "max_over_mean",
     "rank_loads",
@@ -319,11 +318,6 @@ def max_over_mean(values: Sequence[float]) -> float:
     """Max over mean of per-rank figures (1.0 is perfect balance; 1.0 when all are 0)."""
     mean = sum(values) / len(values)
     return max(values) / mean if mean > 0 else 1.0
-
-
-def load_balance(items: Sequence[PartitionItem], owners: Sequence[int], num_ranks: int) -> float:
-    """Max over mean of the per-rank cost (1.0 is perfect balance)."""
-    return max_over_mean(rank_loads(items, owners, num_ranks))
 
 
 # ---- the plan --------------------------------------------------------------------

@@ -4,7 +4,7 @@ Per rank: the matrices it orthogonalizes and their Newton-Schulz FLOPs, the byte
 between steps for the dedicated matrices (values, masters, momentum, NorMuon's second
 moments), and the payload bytes of every collective of one training step, by kind
 (``broadcast``, ``reduce``, ``all_gather``, ``reduce_scatter``, ``all_reduce``) as
-:class:`~torchtitan_dmuon.engine.comm.CollectiveCounter` counts them (a collective's
+``tests.support.collectives.CollectiveCounter`` counts them (a collective's
 payload once on each rank that takes part): the engine's
 broadcasts and reduces, and FSDP2's all-gathers, reduce-scatters and HSDP all-reduces of the
 other parameters. Beside them, the bytes of the same step had the same layout kept every

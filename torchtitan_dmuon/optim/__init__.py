@@ -4,7 +4,7 @@ normalization and QK-clip's per-head maxima and rescaling (``qk_clip``).
 Nothing here imports ``torch.distributed``.
 """
 
-from torchtitan_dmuon.optim.muon import adjusted_lr, muon_step
+from torchtitan_dmuon.optim.muon import adjusted_lr
 from torchtitan_dmuon.optim.newton_schulz import (
     NS_PRESETS,
     NSSchedule,
@@ -21,7 +21,6 @@ __all__ = [
     "NSSchedule",
     "adjusted_lr",
     "get_ns_backend",
-    "muon_step",
     "newton_schulz",
     "normuon_normalize",
     "ns_flops",

@@ -49,7 +49,6 @@ __all__ = [
     "apply_muon_update",
     "commit_group",
     "compute_group",
-    "muon_step",
     "muon_update",
 ]
 
@@ -248,42 +247,6 @@ def _select(
     """``target = new if stepped else target``, in place, decided on the device."""
     for target, value, flag in zip(targets, new, stepped, strict=True):
         torch.where(flag, value, target, out=target)
-
-
-@torch.no_grad()
-def muon_step(
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    momentum_buffers: Sequence[torch.Tensor],
-    *,
-    lr: float,
-    weight_decay: float,
-    momentum: float,
-    nesterov: bool,
-    adjust_lr_fn: str | None,
-    ns: NSFunction,
-    shapes: Sequence[Sequence[int]] | None = None,
-) -> int:
-    """One Muon update of each matrix in ``params``, in place: :func:`muon_update` then
-    :func:`apply_muon_update` (see those for the arguments).
-
-    Returns:
-        The number of matrices orthogonalized (a 3-D stack counts each of its matrices).
-    """
-    update = muon_update(
-        params, grads, momentum_buffers, momentum=momentum, nesterov=nesterov, ns=ns
-    )
-    apply_muon_update(
-        params,
-        grads,
-        momentum_buffers,
-        update,
-        lr=lr,
-        weight_decay=weight_decay,
-        adjust_lr_fn=adjust_lr_fn,
-        shapes=shapes,
-    )
-    return update.matrices
 
 
 def _buckets(params: Sequence[torch.Tensor]) -> dict[tuple, list[int]]:

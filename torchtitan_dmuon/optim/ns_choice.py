@@ -60,7 +60,6 @@ __all__ = [
     "choose_ns",
     "forced_ns_dtype",
     "local_ns_dtype",
-    "other_verdict",
     "step_batches",
 ]
 
@@ -144,13 +143,6 @@ def forced_ns_dtype() -> torch.dtype | None:
     if value not in _VERDICTS:
         raise ValueError(f"{VERDICT_ENV} must be one of {_VERDICTS} (or unset), got {value!r}")
     return getattr(torch, value)
-
-
-def other_verdict(device: torch.device) -> str:
-    """The name of the dtype ``"auto"`` does NOT pick on ``device`` (the probe's verdict,
-    or :data:`VERDICT_ENV`'s): the value of :data:`VERDICT_ENV` that makes this machine
-    choose as the other kind does."""
-    return "float32" if local_ns_dtype(device).dtype == torch.bfloat16 else "bfloat16"
 
 
 def local_ns_dtype(device: torch.device) -> NSDtypeVerdict:

@@ -2,7 +2,7 @@
 
 A training step that never reads a device value lets the CPU queue the next kernels and
 collectives while the device works. :class:`HostSyncCounter` counts what breaks that, by
-the public API alone (it wraps nothing of this package): ``aten._local_scalar_dense``
+the public API alone (it wraps nothing of the package): ``aten._local_scalar_dense``
 (``.item()``, ``bool(t)``, ``int(t)``, ``float(t)``), ``Tensor.tolist()`` and copies of
 a non-CPU tensor to the CPU (``.cpu()``, ``.to("cpu")``). On a CPU-only run every
 tensor is on the host, so a count there is what the same code would sync on a GPU.
