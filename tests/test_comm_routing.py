@@ -1,5 +1,8 @@
 """Every collective of the package goes through ``engine/comm.py``, which refuses a tensor
-on a device its group has no backend for before any collective starts."""
+on a device its group has no backend for before any collective starts: the collectives,
+barriers and point-to-point calls of ``torch.distributed`` and its functional
+collectives. DTensor's implicit collectives (``full_tensor``, ``redistribute``) are
+listed where they stay, each with why."""
 
 import ast
 from pathlib import Path
@@ -17,8 +20,25 @@ COLLECTIVES = {
     "all_gather_coalesced", "all_gather_single", "reduce_scatter", "reduce_scatter_tensor",
     "reduce_scatter_single", "all_to_all", "all_to_all_single", "gather", "scatter",
     "broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list",
-    "send_object_list", "recv_object_list",
+    "send_object_list", "recv_object_list", "all_reduce_coalesced", "barrier",
+    "monitored_barrier", "send", "recv", "isend", "irecv", "batch_isend_irecv",
+    # the functional collectives' own names
+    "all_gather_tensor", "all_gather_tensor_autograd", "reduce_scatter_tensor_autograd",
+    "all_to_all_single_autograd", "all_gather_into_tensor_coalesced",
+    "reduce_scatter_tensor_coalesced", "permute_tensor",
 }  # fmt: skip
+IMPLICIT = {"full_tensor", "redistribute"}
+"""DTensor methods that run a collective of DTensor's own (on the parameter's mesh)."""
+DTENSOR_SITES = {
+    ("engine/param_layout.py", "redistribute"): "a tensor-parallel gradient laid out "
+    "otherwise than its parameter (an embedding's partial sums) made the parameter's shard, "
+    "on the TP mesh, as DTensor defines it; no engine group takes part",
+    ("engine/param_layout.py", "full_tensor"): "every expert-parallel rank's experts for "
+    "checkpoint geometry and tests, outside any step",
+    ("engine/grad_norm.py", "full_tensor"): "the norm of FSDP2's / TP's sharded gradients, "
+    "one reduction per mesh, as torch's clip_grad_norm_ takes it",
+}
+"""Where DTensor's implicit collectives stay, and why."""
 DISTRIBUTED = ("torch.distributed", "torch.distributed._functional_collectives")
 
 
@@ -33,7 +53,8 @@ def _dotted(node: ast.expr) -> str | None:
 
 def direct_collectives(source: str) -> list[str]:
     """``line: name`` of each call of a ``torch.distributed`` collective in ``source``,
-    however the module or the function was imported."""
+    however the module or the function was imported, and ``line: .method`` of each call
+    of a DTensor method that runs one (:data:`IMPLICIT`)."""
     tree = ast.parse(source)
     modules = {"torch.distributed": "torch.distributed"}  # local name -> module
     functions = {}  # local name -> collective
@@ -53,6 +74,9 @@ def direct_collectives(source: str) -> list[str]:
     for node in ast.walk(tree):
         if not isinstance(node, ast.Call):
             continue
+        if isinstance(node.func, ast.Attribute) and node.func.attr in IMPLICIT:
+            found.append(f"{node.lineno}: .{node.func.attr}")
+            continue
         name = _dotted(node.func)
         if name is None:
             continue
@@ -68,27 +92,40 @@ def test_scan_finds_every_spelling():
         "from torch.distributed import all_reduce as ar, _functional_collectives as funcol\n"
         "dist.all_reduce(t)\ntorch.distributed.broadcast(t, 0)\nar(t)\n"
         "funcol.all_gather_tensor(t, 0, g)\nfuncol.all_reduce(t, 'sum', g)\n"
-        "dist.all_gather_object(rows, obj)\ndist.get_rank()\n"
+        "dist.all_gather_object(rows, obj)\ndist.get_rank()\ndist.barrier()\n"
+        "dist.batch_isend_irecv(ops)\nx.full_tensor()\ng.redistribute(m, p).to_local()\n"
+        "funcol.wait_tensor(t)\n"
     )
     assert [f.split(": ")[1] for f in direct_collectives(source)] == [
         "dist.all_reduce",
         "torch.distributed.broadcast",
         "ar",
+        "funcol.all_gather_tensor",
         "funcol.all_reduce",
         "dist.all_gather_object",
+        "dist.barrier",
+        "dist.batch_isend_irecv",
+        ".full_tensor",
+        ".redistribute",
     ]
 
 
 def test_only_comm_calls_collectives():
-    direct = {}
+    """Nothing but ``engine/comm.py`` calls ``torch.distributed``'s collectives, and
+    DTensor's implicit ones stay where :data:`DTENSOR_SITES` says why (each still there)."""
+    direct, implicit = {}, set()
     for path in sorted(PACKAGE.rglob("*.py")):
         module = path.relative_to(PACKAGE).as_posix()
         if module == "engine/comm.py":
             continue
-        calls = direct_collectives(path.read_text())
-        if calls:
-            direct[module] = calls
+        for call in direct_collectives(path.read_text()):
+            name = call.split(": ")[1]
+            if name.startswith(".") and (module, name[1:]) in DTENSOR_SITES:
+                implicit.add((module, name[1:]))
+            else:
+                direct.setdefault(module, []).append(call)
     assert not direct, f"route these through engine/comm.py: {direct}"
+    assert implicit == set(DTENSOR_SITES)
 
 
 def _refuse_cpu_tensor_on_cuda_only_group(rank, world):

@@ -24,6 +24,7 @@ __all__ = [
     "all_gather_into",
     "all_gather_rows",
     "all_reduce",
+    "barrier",
     "broadcast",
     "check_device",
     "connect_options",
@@ -295,6 +296,12 @@ def mesh_device(mesh: DeviceMesh) -> torch.device:
     if mesh.device_type == "cpu":
         return torch.device("cpu")
     return torch.device(mesh.device_type, torch.accelerator.current_device_index())
+
+
+def barrier(group: dist.ProcessGroup | None = None) -> None:
+    """Wait until every rank of ``group`` (None: the default group) gets here, outside any
+    step (not counted)."""
+    dist.barrier(group=group)
 
 
 def all_gather_rows(row: list[int], group: dist.ProcessGroup, device) -> list[list[int]]:

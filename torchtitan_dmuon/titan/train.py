@@ -179,7 +179,7 @@ class DMuonTrainer(Trainer):
             self.optimizers.log_skipped_steps()
         gc.collect()
         if dist.is_initialized():
-            dist.barrier()
+            comm.barrier()
 
     def _set_pg_timeouts(self, timeout, parallel_dims) -> None:
         # After the first step TorchTitan shortens its groups' timeout to
