@@ -348,38 +348,43 @@ def test_hook_boundary_predicate_moves_hooks_not_owners():
 
 
 def fsdp_patch_worker(rank, world):
+    """FSDP2's parameter collection skips dedicated parameters while a model is
+    dedicated, and only then."""
     mesh = init_device_mesh("cpu", (world,))
-    out = {}
-    for installed in (True, False):
-        if not installed:
-            engine_fsdp.uninstall()
-        model = make_model(seed=0)
-        dedicate_params(model, mesh, proj_predicate)
+
+    def sharded(model):
         for layer in model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        out[installed] = {n: isinstance(p, DTensor) for n, p in model.named_parameters()}
-    engine_fsdp.install()
-    out["reinstalled"] = engine_fsdp.is_installed()
-    # Dedication.remove() undoes one model's dedication: its hooks, marks and groups go.
+        return {n: isinstance(p, DTensor) for n, p in model.named_parameters()}
+
+    out = {"at_import": engine_fsdp.is_installed()}
     model = make_model(seed=0)
     dedication = dedicate_params(model, mesh, proj_predicate)
+    out["dedicated"] = sharded(model)
+    # Dedication.remove() undoes another model's dedication: its hooks, marks and groups
+    # go; the patch stays for the first model.
+    other = make_model(seed=0)
+    dedicate_params(other, mesh, proj_predicate).remove()
+    out["removed_registered"] = get_dedication(other) is not None
+    out["installed_for_the_first"] = engine_fsdp.is_installed()
+    out["after_remove"] = sharded(other)
     dedication.remove()
-    out["removed_registered"] = get_dedication(model) is not None
-    fully_shard(model, mesh=mesh)
-    out["after_remove"] = {n: isinstance(p, DTensor) for n, p in model.named_parameters()}
+    out["after_the_last"] = engine_fsdp.is_installed()
+    out["fsdp_alone"] = sharded(make_model(seed=0))
     return out
 
 
-def test_fully_shard_skips_dedicated_params_until_uninstalled():
+def test_fully_shard_skips_dedicated_params_while_dedicated():
     result = run_distributed(fsdp_patch_worker, 2)[0]
     params = dict(make_model().named_parameters())
-    for name, is_dtensor in result[True].items():
+    assert not result["at_import"]
+    for name, is_dtensor in result["dedicated"].items():
         assert is_dtensor == (not proj_predicate(name, params[name])), name
-    assert all(result[False].values())
-    assert result["reinstalled"]
     assert not result["removed_registered"]
+    assert result["installed_for_the_first"]
     assert all(result["after_remove"].values())
+    assert not result["after_the_last"] and all(result["fsdp_alone"].values())
 
 
 def rededicate_worker(rank, world):

@@ -2,8 +2,8 @@
 
 Each selected matrix parameter gets ONE owner rank, which keeps the full parameter and
 the momentum, receives the reduced gradient, runs Newton-Schulz alone and broadcasts the
-new value. Importing this package makes ``fully_shard`` skip dedicated parameters
-(``torchtitan_dmuon.engine.fsdp.uninstall()`` undoes it).
+new value. While a model is dedicated, ``fully_shard`` skips its dedicated parameters
+(``engine/fsdp.py``).
 
 Layout: ``optim`` (the math and the settings, no torch.distributed: ``MuonConfig``,
 Newton-Schulz and its choice, the functional Muon update, NorMuon, QK-clip, the one-process
@@ -23,12 +23,9 @@ from torchtitan_dmuon.engine import (
     reset_iter_state,
     set_requires_gradient_sync,
 )
-from torchtitan_dmuon.engine.fsdp import install as _install_patches
 from torchtitan_dmuon.optim.config import AdamWConfig, MuonConfig
 from torchtitan_dmuon.optim.qk_clip import ClippedAttention, QKClip
 from torchtitan_dmuon.optimizer import Muon, MuonStepError
-
-_install_patches()
 
 __all__ = [
     "AdamWConfig",

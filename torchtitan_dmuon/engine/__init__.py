@@ -10,7 +10,7 @@ for annotations).
   value, the tensor-parallel Newton-Schulz method;
 * ``comm.py``: the collectives, counted;
 * ``fsdp.py``: what the engine reads from and resets in FSDP2's state, and the
-  ``fully_shard`` patch (``install``, ``uninstall``);
+  ``fully_shard`` patch, in force while a model is dedicated;
 * ``plan.py``: which parameters Muon takes, the hook boundaries, owners (LPT), the plan
   and its balance (pure: no collectives);
 * ``unit.py``: a unit's flat buffer, its gradients and reduce buckets;

@@ -5,17 +5,19 @@ engine's own part (waiting for what the failed pass issued, dropping its partial
 reduces) is :meth:`HookDriver.reset_iter_state`; :meth:`Dedication.recover` runs both, so
 that ``zero_grad()`` after a caught failure is all a training loop needs to call.
 
-One patch today: FSDP2 collects the parameters a ``fully_shard`` (or FSDP-based
-``replicate``) call manages in ``_fsdp_init._get_managed_states``, reached through a
-module-global lookup. Wrapping it there (rather than the public ``fully_shard`` name) works
-however the caller imported ``fully_shard``, and changes nothing else in FSDP2: a dedicated
-parameter is simply left out, as if passed in ``ignored_params``.
+One patch, in force only while some model is dedicated: FSDP2 collects the parameters a
+``fully_shard`` (or FSDP-based ``replicate``) call manages in
+``_fsdp_init._get_managed_states``, reached through a module-global lookup. Wrapping it
+there (rather than the public ``fully_shard`` name, or its ``ignored_params``, which the
+caller passes: TorchTitan's ``apply_fsdp`` does not) works however the caller imported
+``fully_shard``, and changes nothing else in FSDP2: a dedicated parameter is simply left
+out, as if passed in ``ignored_params``. The first :func:`mark_dedicated` installs it; it
+goes when the last marked model is unmarked (``Dedication.remove``).
 
 Which parameters are dedicated is marked on their *modules*, by parameter name. A mark on
 the tensor would be lost when ``Module.to_empty`` or a conversion swaps the parameter
 object (``torch.utils.swap_tensors``), and a weak reference to it makes that swap fail.
 
-:func:`install` runs on ``import torchtitan_dmuon``; :func:`uninstall` is the opt-out.
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from torch.distributed.fsdp._fully_shard import _fsdp_init
 __all__ = [
     "dedicated_names",
     "innermost_fsdp",
-    "install",
     "is_installed",
     "mark_dedicated",
     "mixed_precision_of",
@@ -128,6 +129,10 @@ def mixed_precision_of(model: nn.Module, boundary_name: str) -> tuple:
 _MARK = "_dmuon_dedicated_params"
 
 
+_MARKED: set[int] = set()
+"""The ids of the models with marks (a dedication keeps its model alive until removed)."""
+
+
 def mark_dedicated(model: nn.Module, names: list[str]) -> None:
     """Mark the parameters ``names`` of ``model`` as owned by the ownership engine (on
     their modules, by name: ``to_empty`` and ``swap_tensors`` keep the mark)."""
@@ -135,12 +140,17 @@ def mark_dedicated(model: nn.Module, names: list[str]) -> None:
         module_name, _, param_name = name.rpartition(".")
         module = model.get_submodule(module_name)
         module.__dict__.setdefault(_MARK, set()).add(param_name)
+    _MARKED.add(id(model))
+    _fsdp_init._get_managed_states = _get_managed_states_skipping_dedicated
 
 
 def unmark_dedicated(model: nn.Module) -> None:
     """Drop every mark in ``model``."""
     for module in model.modules():
         module.__dict__.pop(_MARK, None)
+    _MARKED.discard(id(model))
+    if not _MARKED:  # the last: FSDP2's own function is back
+        _fsdp_init._get_managed_states = _original
 
 
 def dedicated_names(module: nn.Module) -> frozenset[str]:
@@ -164,15 +174,6 @@ def _get_managed_states_skipping_dedicated(modules, ignored_params=None):
     return _original(modules, ignored_params)
 
 
-def install() -> None:
-    """Route FSDP2's parameter collection through the dedicated-parameter filter."""
-    _fsdp_init._get_managed_states = _get_managed_states_skipping_dedicated
-
-
-def uninstall() -> None:
-    """Restore FSDP2's own function (dedicated parameters would then be sharded)."""
-    _fsdp_init._get_managed_states = _original
-
-
 def is_installed() -> bool:
+    """Whether FSDP2's parameter collection skips dedicated parameters now."""
     return _fsdp_init._get_managed_states is _get_managed_states_skipping_dedicated
