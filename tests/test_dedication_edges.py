@@ -1,7 +1,9 @@
 """The ownership engine at its edges: unused branches, frozen matrices, mixed precision,
 gradient sync off, the FSDP2 patch, and bad input (clear errors, never a hang)."""
 
+import gc
 import logging
+import weakref
 
 import pytest
 import torch
@@ -385,6 +387,32 @@ def test_fully_shard_skips_dedicated_params_while_dedicated():
     assert result["installed_for_the_first"]
     assert all(result["after_remove"].values())
     assert not result["after_the_last"] and all(result["fsdp_alone"].values())
+
+
+def collected_worker(rank, world):
+    """A dedicated model (and one trained a step) dropped without ``remove()``: whether
+    each is collected."""
+    mesh = init_device_mesh("cpu", (world,))
+    refs = []
+    for train in (False, True):
+        model = make_model(seed=0)
+        dedicate_params(model, mesh, proj_predicate)
+        if train:
+            opt = Muon(model, **_muon_kwargs(torch.float32))
+            loss_fn(model, *batch(100 + rank, 2)).backward()
+            opt.step()
+            del opt
+        refs.append(weakref.ref(model))
+        del model
+    gc.collect()
+    return [ref() is None for ref in refs]
+
+
+def test_a_dropped_dedicated_model_is_collected():
+    """The registry of dedications holds no model alive (it held each forever: its value,
+    the dedication, refers to its key, the model)."""
+    for collected in run_distributed(collected_worker, 2):
+        assert collected == [True, True]
 
 
 def rededicate_worker(rank, world):

@@ -94,17 +94,22 @@ class DedicationSettings:
         return self.gradient_divide_factor if self.gradient_divide_factor else ranks
 
 
-_DEDICATIONS: weakref.WeakKeyDictionary[nn.Module, Dedication] = weakref.WeakKeyDictionary()
+_DEDICATIONS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Dedication]] = (
+    weakref.WeakKeyDictionary()
+)
+# A weak value too: the dedication refers to its model, so a strong one would keep every
+# dedicated model alive. The model's hooks keep its dedication alive.
 
 
 def get_dedication(model: nn.Module) -> Dedication | None:
     """The :class:`Dedication` that ``dedicate_params`` attached to ``model``, if any."""
-    return _DEDICATIONS.get(model)
+    ref = _DEDICATIONS.get(model)
+    return ref() if ref is not None else None
 
 
 def dedication_of(model: nn.Module) -> Dedication:
     """``model``'s :class:`Dedication`; a ValueError where it has none."""
-    dedication = _DEDICATIONS.get(model)
+    dedication = get_dedication(model)
     if dedication is None:
         raise ValueError("model was not prepared by dedicate_params")
     return dedication
@@ -183,7 +188,7 @@ class Dedication:
         self.driver = HookDriver(self, states)
         self.driver.register(model)
         self.bind_params()
-        _DEDICATIONS[model] = self
+        _DEDICATIONS[model] = weakref.ref(self)
 
     def _unit(self, plan: UnitPlan) -> Unit:
         holds = plan.column == self.exchange.domains[plan.domain].rank

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from enum import Enum, auto
 from typing import Protocol
 
@@ -395,23 +396,32 @@ class HookDriver:
                 self._issue_due_reduces()
 
     def _post_accumulate_grad(self, b: int, name: str):
+        # The hook lives on the parameter's C++ side, where the garbage collector cannot
+        # see it: a strong reference to the driver would keep the model alive forever.
+        driver = weakref.ref(self)
+
         def hook(param: torch.Tensor) -> None:
-            self._start_backward()
-            state = self.states[b]
-            if state.reduce_issued:
-                raise RuntimeError(
-                    f"dmuon: the gradient of {name} arrived after its hook boundary "
-                    f"{state.boundary.name!r} finished its backward and was reduced (the "
-                    "parameter is used outside that module): choose a boundary that holds "
-                    "every use of it with dedicate_params(hook_boundary_predicate=...)"
-                )
-            if state.count_grad() and self._calls[b] == 0:
-                # No post-backward in this pass (no input needed a gradient).
-                state.reduce_due = True
-                if self.d.requires_gradient_sync:
-                    self._issue_due_reduces()
+            alive = driver()
+            if alive is not None:
+                alive._grad_accumulated(b, name)
 
         return hook
+
+    def _grad_accumulated(self, b: int, name: str) -> None:
+        self._start_backward()
+        state = self.states[b]
+        if state.reduce_issued:
+            raise RuntimeError(
+                f"dmuon: the gradient of {name} arrived after its hook boundary "
+                f"{state.boundary.name!r} finished its backward and was reduced (the "
+                "parameter is used outside that module): choose a boundary that holds "
+                "every use of it with dedicate_params(hook_boundary_predicate=...)"
+            )
+        if state.count_grad() and self._calls[b] == 0:
+            # No post-backward in this pass (no input needed a gradient).
+            state.reduce_due = True
+            if self.d.requires_gradient_sync:
+                self._issue_due_reduces()
 
     def _issue_due_reduces(self) -> None:
         sequence = self.reduce_sequence

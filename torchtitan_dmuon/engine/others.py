@@ -20,6 +20,7 @@ pipeline stages.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -181,16 +182,25 @@ class OtherParams:
 
     # ---- backward ------------------------------------------------------------------------
     def _grad_ready(self, i: int):
+        # Weakly, as the driver's parameter hooks (they live where the garbage collector
+        # cannot see them).
+        others = weakref.ref(self)
+
         def hook(param: torch.Tensor) -> None:
-            if self._syncing() and self._bucket_of[i] < self._next:
-                raise RuntimeError(
-                    f"dmuon: the gradient of {self._names[i]} arrived after its hook "
-                    "boundary finished its backward and its DDP-style bucket was reduced "
-                    "(the parameter is used outside that module): choose a boundary that "
-                    "holds every use of it with dedicate_params(hook_boundary_predicate=...)"
-                )
+            alive = others()
+            if alive is not None:
+                alive._check_in_time(i)
 
         return hook
+
+    def _check_in_time(self, i: int) -> None:
+        if self._syncing() and self._bucket_of[i] < self._next:
+            raise RuntimeError(
+                f"dmuon: the gradient of {self._names[i]} arrived after its hook "
+                "boundary finished its backward and its DDP-style bucket was reduced "
+                "(the parameter is used outside that module): choose a boundary that "
+                "holds every use of it with dedicate_params(hook_boundary_predicate=...)"
+            )
 
     def boundary_reduced(self, boundary: int) -> None:
         """Boundary ``boundary`` reduced: issue the buckets now due, in order."""
