@@ -338,9 +338,15 @@ def root_boundary(name, module):
 
 
 def test_hook_boundary_predicate_moves_hooks_not_owners():
+    """Also DDP-style, where the root boundary (no post-backward: its input needs no
+    gradient) reduces at the end of backward with the embedding's, norms' and head's
+    buckets (the first version of the post-backward reduce sent them before the
+    embedding's gradient and raised)."""
     configs = [dict(steps=2), dict(steps=2, hook_boundary_predicate=root_boundary)]
+    configs += [dict(config, fsdp=False) for config in configs]
     by_rank = run_distributed(train_configs, 2, configs)
-    blocks, root = by_rank[0]
+    blocks, root, ddp_blocks, ddp_root = by_rank[0]
+    assert ddp_root["losses"] == ddp_blocks["losses"]
     assert blocks["boundaries"] == ["layers.0", "layers.1"]
     assert root["boundaries"] == [""]
     # Same math wherever the hooks sit: bit-identical training; 1 boundary x 2 owners.

@@ -30,9 +30,8 @@ class BoundaryState:
         resident: Its values are here and current: a gather sends nothing (Z3 keeps the
             last boundary after forward; a pipeline stage keeps every boundary over its
             micro-batches).
-        grad_count: Dedicated gradients accumulated in this backward.
-        reduce_due: Its backward is over (its post-backward ran for every call, or,
-            without one, every expected gradient is here): it may reduce.
+        reduce_due: Its backward is over (its post-backward ran for every call): it may
+            reduce.
         reduce_issued: Its reduce went out in this backward; a later gradient is an error.
         reduces: Its units' reduces issued in this backward, in issue order.
     """
@@ -45,19 +44,13 @@ class BoundaryState:
         self.units = units
         self.exchange = exchange
         self.resident = False
-        self.grad_count = 0
         self.reduce_due = False
         self.reduce_issued = False
         self.reduces: list[PendingReduce] = []
         self._gather: list[dist.Work] | None = None
         self._replicate: list[dist.Work] = []
 
-    @property
-    def expected_grads(self) -> int:
-        return len(self.boundary.parameters)
-
     def start_backward(self) -> None:
-        self.grad_count = 0
         self.reduce_due = self.reduce_issued = False
 
     # ---- values --------------------------------------------------------------------------
@@ -91,11 +84,6 @@ class BoundaryState:
             unit.free()
 
     # ---- gradients -----------------------------------------------------------------------
-    def count_grad(self) -> bool:
-        """One more dedicated gradient accumulated; True once all are here."""
-        self.grad_count += 1
-        return self.grad_count == self.expected_grads
-
     def issue_reduce(self) -> None:
         """Stage 1 of every unit's reduce: pack, free the values outside the column and
         SUM onto the column; the parameters' gradients go (packed)."""

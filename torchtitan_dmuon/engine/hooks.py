@@ -32,8 +32,9 @@ in decreasing creation order, so the interleaving of gathers, reduces and bucket
 function of the module-level graph, the same on ranks whose forwards called the same
 boundaries (what FSDP2's own order rests on). A parameter's gradient alone never moves
 a collective (an unused matrix, an expert without tokens): a boundary whose inputs need
-no gradient (no post-backward) reduces when its last gradient arrives instead, and a
-gradient that arrives after its boundary's reduce raises, naming the parameter.
+no gradient (no post-backward: the root, a first block after a frozen embedding) reduces
+at the end of backward, and a gradient that arrives after its boundary's reduce raises,
+naming the parameter.
 
 Which stream waits for what is the business of each boundary's
 :class:`~torchtitan_dmuon.engine.boundary.BoundaryState` and of the exchange: no host
@@ -417,11 +418,6 @@ class HookDriver:
                 "parameter is used outside that module): choose a boundary that holds "
                 "every use of it with dedicate_params(hook_boundary_predicate=...)"
             )
-        if state.count_grad() and self._calls[b] == 0:
-            # No post-backward in this pass (no input needed a gradient).
-            state.reduce_due = True
-            if self.d.requires_gradient_sync:
-                self._issue_due_reduces()
 
     def _issue_due_reduces(self) -> None:
         sequence = self.reduce_sequence
