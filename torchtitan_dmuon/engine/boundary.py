@@ -2,13 +2,16 @@
 of FSDP2's ``FSDPParamGroup``.
 
 It owns what happens to one boundary's units: the gather in flight (and the replicate
-broadcasts it waited on), whether the values are here, the gradients counted against
-those expected, and the reduces issued for them. The hook driver
+broadcasts it waited on), whether the values are here, whether its backward is over, and
+the reduces issued for it. The hook driver
 (:mod:`~torchtitan_dmuon.engine.hooks`) keeps only the pass state and decides *when* each
 boundary issues; this decides *how*, on which stream, and what it waits for.
 """
 
 from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
 
 import torch.distributed as dist
 from torch.profiler import record_function
@@ -17,7 +20,30 @@ from torchtitan_dmuon.engine.exchange import Exchange, PendingReduce
 from torchtitan_dmuon.engine.plan import Boundary
 from torchtitan_dmuon.engine.unit import Unit
 
-__all__ = ["BoundaryState"]
+__all__ = ["BoundaryState", "late_gradient", "weak_grad_hook"]
+
+
+def weak_grad_hook(method: Callable, *args) -> Callable:
+    """A post-accumulate-grad hook that calls the bound ``method(*args)`` while its object
+    lives. Weakly: the hook lives on the parameter's C++ side, where the garbage collector
+    cannot see it, so a strong reference would keep the model alive forever."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(param) -> None:
+        alive = ref()
+        if alive is not None:
+            alive(*args)
+
+    return hook
+
+
+def late_gradient(name: str, reduced: str) -> RuntimeError:
+    """The error for a gradient of parameter ``name`` that arrived after ``reduced``."""
+    return RuntimeError(
+        f"dmuon: the gradient of {name} arrived after {reduced} (the parameter is used "
+        "outside that module): choose a boundary that holds every use of it with "
+        "dedicate_params(hook_boundary_predicate=...)"
+    )
 
 
 class BoundaryState:

@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import weakref
 from enum import Enum, auto
 from typing import Protocol
 
@@ -70,7 +69,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from torchtitan_dmuon.engine.boundary import BoundaryState
+from torchtitan_dmuon.engine.boundary import BoundaryState, late_gradient, weak_grad_hook
 from torchtitan_dmuon.engine.exchange import Exchange, PendingReduce
 from torchtitan_dmuon.engine.others import OtherParams
 
@@ -210,8 +209,9 @@ class HookDriver:
         self.state = TrainingState.IDLE
         self._diverged = ""  # why, once DIVERGED
         self._reduced: list[BoundaryState] = []  # in issue order, this backward
-        # Calls of each boundary with a post-backward since the last backward, and how many
-        # of those post-backwards ran in this backward.
+        # Calls of each boundary with a post-backward in the forwards since the driver was
+        # last idle (reset by the root pre-forward), and how many of those post-backwards
+        # ran in this backward.
         self._calls = [0] * len(states)
         self._post_backwards = [0] * len(states)
         self.forward_gathers = CollectiveSequence(forward_order, self._issue_gather)
@@ -246,7 +246,7 @@ class HookDriver:
                         continue
                     hooked[1].remove()
                 handle = dp.param.register_post_accumulate_grad_hook(
-                    self._post_accumulate_grad(b, dp.name)
+                    weak_grad_hook(self._grad_accumulated, b, dp.name)
                 )
                 self._param_hooks[dp.name] = (dp.param, handle)
 
@@ -396,27 +396,13 @@ class HookDriver:
             if self.d.requires_gradient_sync:
                 self._issue_due_reduces()
 
-    def _post_accumulate_grad(self, b: int, name: str):
-        # The hook lives on the parameter's C++ side, where the garbage collector cannot
-        # see it: a strong reference to the driver would keep the model alive forever.
-        driver = weakref.ref(self)
-
-        def hook(param: torch.Tensor) -> None:
-            alive = driver()
-            if alive is not None:
-                alive._grad_accumulated(b, name)
-
-        return hook
-
     def _grad_accumulated(self, b: int, name: str) -> None:
         self._start_backward()
         state = self.states[b]
         if state.reduce_issued:
-            raise RuntimeError(
-                f"dmuon: the gradient of {name} arrived after its hook boundary "
-                f"{state.boundary.name!r} finished its backward and was reduced (the "
-                "parameter is used outside that module): choose a boundary that holds "
-                "every use of it with dedicate_params(hook_boundary_predicate=...)"
+            raise late_gradient(
+                name,
+                f"its hook boundary {state.boundary.name!r} finished its backward and was reduced",
             )
 
     def _issue_due_reduces(self) -> None:
@@ -441,7 +427,6 @@ class HookDriver:
                 ) from error
         if self.d.reshard_after_backward:
             self.free_all()
-        self._calls = [0] * len(self.states)
         self.state = TrainingState.IDLE
 
     def reduce_accumulated(self) -> None:

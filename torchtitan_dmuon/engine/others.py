@@ -20,7 +20,6 @@ pipeline stages.
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -32,6 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
 from torchtitan_dmuon.engine import comm
+from torchtitan_dmuon.engine.boundary import late_gradient, weak_grad_hook
 from torchtitan_dmuon.engine.param_layout import like_param, local_grad, local_tensor
 
 __all__ = ["BUCKET_BYTES", "OtherParams", "bucket_params"]
@@ -150,7 +150,7 @@ class OtherParams:
         self._reduced: set[int] = set()  # boundaries reduced in this backward
         self._next = 0  # the next bucket to issue
         self._hooks = [
-            p.register_post_accumulate_grad_hook(self._grad_ready(i))
+            p.register_post_accumulate_grad_hook(weak_grad_hook(self._check_in_time, i))
             for i, p in enumerate(self.params)
         ]
         if named and self._fsdp_anywhere:
@@ -181,25 +181,11 @@ class OtherParams:
                 comm.broadcast(tensor, 0, group, self._stats, kind="others_broadcast").wait()
 
     # ---- backward ------------------------------------------------------------------------
-    def _grad_ready(self, i: int):
-        # Weakly, as the driver's parameter hooks (they live where the garbage collector
-        # cannot see them).
-        others = weakref.ref(self)
-
-        def hook(param: torch.Tensor) -> None:
-            alive = others()
-            if alive is not None:
-                alive._check_in_time(i)
-
-        return hook
-
     def _check_in_time(self, i: int) -> None:
         if self._syncing() and self._bucket_of[i] < self._next:
-            raise RuntimeError(
-                f"dmuon: the gradient of {self._names[i]} arrived after its hook "
-                "boundary finished its backward and its DDP-style bucket was reduced "
-                "(the parameter is used outside that module): choose a boundary that "
-                "holds every use of it with dedicate_params(hook_boundary_predicate=...)"
+            raise late_gradient(
+                self._names[i],
+                "its hook boundary finished its backward and its DDP-style bucket was reduced",
             )
 
     def boundary_reduced(self, boundary: int) -> None:
