@@ -259,3 +259,42 @@ def test_first_phase_holds_the_updates_and_a_few_batches(monkeypatch):
     )
     for g, b, old in zip(grads, buffers, before, strict=True):
         assert torch.equal(b, old.lerp(g, 0.05))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_one_update_road_steps_flagged_matrices_as_torch_and_keeps_the_others(dtype, weight_decay):
+    """The second phase's flags enter its arithmetic (a lerp weight, factors): a flagged
+    matrix gets torch.optim.Muon's in-place operations bitwise, in every dtype (a tensor
+    lerp weight is rounded to a bf16 buffer's dtype where the scalar is not), an
+    unflagged one keeps its value and momentum, with the flags on the device."""
+    gen = torch.Generator().manual_seed(1)
+    params, grads, buffers = (
+        [torch.randn(32, 48, generator=gen).to(dtype) for _ in range(4)] for _ in range(3)
+    )
+    ns = functools.partial(
+        newton_schulz, schedule=resolve_ns_schedule("quintic", 5), dtype=torch.float32
+    )
+    flags = [torch.tensor(f) for f in (True, False, True, False)]
+    expected = []
+    for p, g, b, f in zip(params, grads, buffers, flags, strict=True):
+        p, b = p.clone(), b.clone()
+        if f:
+            b.lerp_(g, 1 - 0.9)
+            p.mul_(1 - 0.02 * weight_decay)
+            p.add_(ns(g.lerp(b, 0.9)), alpha=-muon_functional.adjusted_lr(0.02, None, p.shape))
+        expected.append((p, b))
+    update = muon_functional.muon_update(params, grads, buffers, momentum=0.9, nesterov=True, ns=ns)
+    muon_functional.apply_muon_update(
+        params,
+        grads,
+        buffers,
+        update,
+        lr=0.02,
+        weight_decay=weight_decay,
+        adjust_lr_fn=None,
+        stepped=flags,
+    )
+    for (p, b), (want_p, want_b) in zip(zip(params, buffers), expected, strict=True):
+        assert torch.equal(b, want_b)
+        assert torch.equal(p, want_p)

@@ -321,7 +321,9 @@ class Muon(torch.optim.Optimizer):
         collectives together agree on the host before it (a group of at most a node's
         ranks), so a rank that failed never leaves its peers waiting in them; a failure on
         one of them *between* the collectives of one sharded Newton-Schulz still does
-        (until the process group's timeout).
+        (until the process group's timeout). A failed step's writes are exact for finite
+        gradients (the masks enter the update's arithmetic); non-finite ones must come
+        with ``found_inf``.
 
         Args:
             closure: Reevaluates the model and returns the loss (optional).
@@ -376,6 +378,7 @@ class Muon(torch.optim.Optimizer):
                 weight_decay=group["weight_decay"],
                 adjust_lr_fn=group["adjust_lr_fn"],
                 skip=skip,
+                nonfinite_skipped=found_inf is not None,
             )
         if qk_maxima is not None:
             with record_function("muon::qk_clip"):

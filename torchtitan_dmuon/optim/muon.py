@@ -12,10 +12,11 @@ A 3-D parameter is a stack of independent matrices (MoE experts stored as one
 ``(experts, rows, cols)`` tensor): each matrix of the stack is orthogonalized on its own, as
 if it were a separate parameter. Matrices of the same shape, from any parameters, run as
 one batch. A matrix can be left out of a step on the device, without the host reading
-anything: its ``stepped`` flag (a 0-dim bool tensor) selects, element by element, the old
-value, momentum and second moment, bitwise what ``torch.optim.Muon`` keeps for a
-parameter whose gradient is None (a whole step is skipped so, on a non-finite gradient
-norm). A step runs in two phases: :func:`muon_update` computes the orthogonalized
+anything: its ``stepped`` flag (a 0-dim bool tensor) enters the update's arithmetic (a
+``lerp`` weight 0, factors 1 and 0), which leaves its value and momentum exactly what
+``torch.optim.Muon`` keeps for a parameter whose gradient is None (a whole step is skipped
+so, on a non-finite gradient norm); every caller, one process or distributed, takes this
+one road. A step runs in two phases: :func:`muon_update` computes the orthogonalized
 updates without changing anything, :func:`apply_muon_update` advances the momentum and
 writes them, so a distributed step can agree that every rank's first phase succeeded
 before any rank changes its state. :func:`compute_group` and :func:`commit_group` run those two
@@ -182,69 +183,111 @@ def apply_muon_update(
     adjust_lr_fn: str | None,
     shapes: Sequence[Sequence[int]] | None = None,
     stepped: Sequence[torch.Tensor] | None = None,
+    nonfinite_skipped: bool = False,
 ) -> None:
     """The second phase, in place: ``momentum_buffers`` advanced from ``grads`` as
     :func:`muon_update` formed them, decoupled weight decay, then each orthogonalized
     update with its shape-adjusted learning rate (profiler range ``muon::update``).
 
+    One road for every caller: a matrix's ``stepped`` flag enters the arithmetic (its
+    momentum's ``lerp`` weight, its decay factor, a factor 0 or 1 on its update), so a
+    matrix that does not step keeps its value and momentum exactly, and one that steps
+    costs what the unmasked ``torch.optim.Muon`` update costs, with the same operations
+    and roundings. No select (``torch.where``) runs over the matrices: on a CPU it is
+    several times an in-place ``lerp``.
+
     Args:
         params: The matrices :func:`muon_update` was given.
         grads: Their gradients, as :func:`muon_update` read them.
         momentum_buffers: Their momentum buffers, advanced in place.
-        update: What :func:`muon_update` returned for them.
+        update: What :func:`muon_update` returned for them (its updates are consumed).
         lr: Learning rate before the shape adjustment.
         weight_decay: Decoupled weight decay coefficient.
         adjust_lr_fn: See :func:`adjusted_lr` (per matrix: the last two dims).
         shapes: The whole matrices' shapes, for the learning-rate adjustment, when
             ``params`` are tensor-parallel shards (default: their own shapes).
-        stepped: Per matrix, a 0-dim bool tensor: False leaves its value and momentum
-            unchanged (bitwise); None: every matrix steps.
+        stepped: Per matrix, a 0-dim bool tensor on its device: False leaves its value
+            and momentum unchanged; None: every matrix steps. A matrix that does not step
+            must have finite inputs (a gradient of zeros, as the engine keeps for one no
+            rank touched) unless ``nonfinite_skipped``.
+        nonfinite_skipped: Every step with a non-finite gradient has its ``stepped``
+            flags False (``found_inf``): non-finite gradient entries and updates are
+            read as 0, which changes nothing a step that is taken sees, and keeps a
+            skipped one's writes exact.
     """
     if not params:
         return
+    if stepped is None:
+        every = torch.ones((), dtype=torch.bool, device=params[0].device)
+        stepped = [every] * len(params)
     with record_function("muon::update"):
-        if stepped is not None:
-            args = (update, stepped, lr, weight_decay, adjust_lr_fn, shapes)
-            _apply_masked(params, grads, momentum_buffers, *args)
-            return
-        torch._foreach_lerp_(list(momentum_buffers), list(grads), 1 - update.momentum)
-        for indices in _buckets(params).values():
+        for indices in _batches(params):
             bucket = [params[i] for i in indices]
+            flags = [stepped[i] for i in indices]
+            batch_grads = [grads[i] for i in indices]
+            orthogonal = [update.orthogonal[i] for i in indices]
+            if nonfinite_skipped:
+                batch_grads = [_finite(g) for g in batch_grads]
+                for o in orthogonal:
+                    o.nan_to_num_(0.0, 0.0, 0.0)
+            _masked_lerp_(
+                [momentum_buffers[i] for i in indices], batch_grads, 1 - update.momentum, flags
+            )
             if weight_decay != 0:
-                torch._foreach_mul_(bucket, 1 - lr * weight_decay)
-            # One learning rate per bucket: every matrix in it has the same shape.
+                decay = 1 - lr * weight_decay
+                factors = _flag_values(flags, decay, 1.0, bucket[0].dtype)
+                torch._foreach_mul_(bucket, list(factors))
+            torch._foreach_mul_(orthogonal, flags)  # exact: a factor 1 or 0
+            # One learning rate per batch: every matrix in it has the same shape.
             shape = shapes[indices[0]] if shapes is not None else bucket[0].shape
             alpha = -adjusted_lr(lr, adjust_lr_fn, shape)
-            torch._foreach_add_(bucket, [update.orthogonal[i] for i in indices], alpha=alpha)
+            torch._foreach_add_(bucket, orthogonal, alpha=alpha)
+            for i in indices:  # consumed: each batch's updates free as it is written
+                update.orthogonal[i] = None
 
 
-def _apply_masked(
-    params, grads, momentum_buffers, update, stepped, lr, weight_decay, adjust_lr_fn, shapes
+_REDUCED = (torch.bfloat16, torch.float16)
+
+
+def _flag_values(
+    flags: list[torch.Tensor], on: float, off: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, ...]:
+    """Per 0-dim ``flag``, ``on`` where it is set, else ``off``: 0-dim tensors on the
+    flags' device (three kernels for the list) that a tensor of ``dtype`` computes with
+    as it would with the Python scalar: float64 for float64, else float32."""
+    scalar_type = torch.float64 if dtype == torch.float64 else torch.float32
+    value = torch.full((), on, dtype=scalar_type, device=flags[0].device)
+    return torch.where(torch.stack(flags), value, off).unbind()
+
+
+def _masked_lerp_(
+    buffers: list[torch.Tensor], ends: list[torch.Tensor], weight: float, flags: list[torch.Tensor]
 ) -> None:
-    """:func:`apply_muon_update` where only the matrices whose ``stepped`` flag is set
-    change: each batch's new values are formed out of place by the same operations, then
-    selected per matrix on the device (transient memory: one batch of
-    :func:`_batches`)."""
-    for indices in _batches(params):
-        bufs = [momentum_buffers[i] for i in indices]
-        new_bufs = torch._foreach_lerp(bufs, [grads[i] for i in indices], 1 - update.momentum)
-        _select(bufs, new_bufs, [stepped[i] for i in indices])
-        del new_bufs  # one batch's new values alive at a time
-        bucket = [params[i] for i in indices]
-        shape = shapes[indices[0]] if shapes is not None else bucket[0].shape
-        alpha = -adjusted_lr(lr, adjust_lr_fn, shape)
-        if weight_decay != 0:
-            new = torch._foreach_mul(bucket, 1 - lr * weight_decay)
-            torch._foreach_add_(new, [update.orthogonal[i] for i in indices], alpha=alpha)
-        else:
-            new = torch._foreach_add(bucket, [update.orthogonal[i] for i in indices], alpha=alpha)
-        _select(bucket, new, [stepped[i] for i in indices])
+    """``buffer.lerp_(end, weight)`` where the flag is set, else ``buffer`` exactly (weight
+    0: ``buffer + 0 * (end - buffer)`` for a finite ``end``). A tensor weight is cast to a
+    reduced-precision buffer's dtype, where a scalar one is not: those run in float32, as
+    the scalar kernel computes."""
+    weights = _flag_values(flags, weight, 0.0, buffers[0].dtype)
+    full = [k for k, b in enumerate(buffers) if b.dtype not in _REDUCED]
+    if full:
+        torch._foreach_lerp_(
+            [buffers[k] for k in full], [ends[k] for k in full], [weights[k] for k in full]
+        )
+    for k, buffer in enumerate(buffers):
+        if buffer.dtype in _REDUCED:
+            buffer.copy_(buffer.float().lerp_(ends[k].float(), weights[k]))
+
+
+def _finite(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` with its non-finite entries as 0 (a new tensor)."""
+    return torch.nan_to_num(tensor, 0.0, 0.0, 0.0)
 
 
 def _select(
     targets: Sequence[torch.Tensor], new: Sequence[torch.Tensor], stepped: Sequence[torch.Tensor]
 ) -> None:
-    """``target = new if stepped else target``, in place, decided on the device."""
+    """``target = new if stepped else target``, in place, decided on the device (NorMuon's
+    second moments: a row each, small)."""
     for target, value, flag in zip(targets, new, stepped, strict=True):
         torch.where(flag, value, target, out=target)
 
@@ -360,32 +403,36 @@ def commit_group(
     weight_decay: float,
     adjust_lr_fn: str | None,
     skip: torch.Tensor | None = None,
+    nonfinite_skipped: bool = False,
 ) -> int:
     """The second phase: the momentum advanced and the second moments into ``state``,
     then the update into the group's ``params``; only the matrices the group steps
     (:attr:`MatrixGroup.stepped`), none where ``skip`` (a 0-dim device tensor, nonzero:
-    skip the step, as ``found_inf``) is set, decided on the device.
+    skip the step: ``found_inf``, or a failure on some rank) is set, decided on the
+    device. ``nonfinite_skipped``: ``skip`` includes a ``found_inf`` set on every
+    non-finite gradient (see :func:`apply_muon_update`).
 
     Returns:
         The number of matrices orthogonalized.
     """
     group, update = pending.group, pending.update
+    if not group.keys:
+        return 0
     stepped = group.stepped
+    if stepped is None:
+        stepped = [torch.ones((), dtype=torch.bool, device=group.params[0].device)] * len(group.keys)
     if skip is not None:
         go = skip == 0
-        stepped = [go & s for s in stepped] if stepped is not None else [go] * len(group.keys)
+        stepped = [go & s for s in stepped]
     for key, buf in zip(group.keys, pending.momentum_buffers, strict=True):
         state[key]["momentum_buffer"] = buf
     if update.second_moments is not None:
-        for i, (key, moment) in enumerate(zip(group.keys, update.second_moments, strict=True)):
-            if stepped is not None:  # a matrix that does not step keeps the old (or zero)
-                if SECOND_MOMENT not in state[key]:
-                    state[key][SECOND_MOMENT] = torch.zeros_like(moment)
-                _select([state[key][SECOND_MOMENT]], [moment], [stepped[i]])
-                continue
-            old = state[key].setdefault(SECOND_MOMENT, moment)
-            if old is not moment:  # in place: DCP loads into the state's tensors
-                old.copy_(moment)
+        for key, moment, flag in zip(group.keys, update.second_moments, stepped, strict=True):
+            # In place (DCP loads into the state's tensors); a matrix that does not step
+            # keeps the old (or zero) one.
+            if SECOND_MOMENT not in state[key]:
+                state[key][SECOND_MOMENT] = torch.zeros_like(moment)
+            _select([state[key][SECOND_MOMENT]], [moment], [flag])
     apply_muon_update(
         group.params,
         group.grads,
@@ -396,5 +443,6 @@ def commit_group(
         adjust_lr_fn=adjust_lr_fn,
         shapes=group.shapes,
         stepped=stepped,
+        nonfinite_skipped=nonfinite_skipped,
     )
     return update.matrices
