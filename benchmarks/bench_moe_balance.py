@@ -13,8 +13,8 @@ hook boundaries, and plans their owners over each rank count in two ways:
   engine before per-expert ownership).
 
 For each it reports the max/mean per-rank Newton-Schulz cost and per-rank bytes held
-between steps (values at ``--value-bytes`` per element, masters and momentum at
-``--state-bytes``: TorchTitan's bf16 compute with fp32 master and momentum by default),
+between steps (``Plan.held_bytes``: values in ``--values-dtype``, masters and momentum in
+``--master-dtype``: TorchTitan's bf16 compute with fp32 master and momentum by default),
 prints a table and writes ``results.json`` and ``moe_balance.png`` into ``--out``.
 """
 
@@ -31,6 +31,7 @@ from torch import nn
 from torchtitan.protocols.train_spec import get_train_spec
 
 from torchtitan_dmuon.engine.plan import (
+    HeldDtypes,
     PartitionItem,
     Plan,
     assign_owners,
@@ -87,21 +88,24 @@ def ratio(loads: list[int]) -> float:
     return max(loads) / (sum(loads) / len(loads))
 
 
-def per_expert_loads(plan: Plan, value_bytes: int, state_bytes: int):
+def per_expert_loads(plan: Plan, dtypes: HeldDtypes):
     ns = [0] * plan.slots
     for unit in plan.units:
         ns[unit.column] += sum(ns_flops(d.layout.shape, 1) for d in unit.params)
-    return ns, plan.held_bytes(value_bytes, state_bytes)
+    return ns, plan.held_bytes(dtypes)
 
 
-def per_stack_loads(plan: Plan, value_bytes: int, state_bytes: int):
+def per_stack_loads(plan: Plan, dtypes: HeldDtypes):
     params = [(b, p) for b, boundary in enumerate(plan.boundaries) for p in boundary.parameters]
     items = [PartitionItem(ns_flops(p.shape, 1), b) for b, p in params]
     owners = assign_owners(items, plan.slots)
     ns, held = [0] * plan.slots, [0] * plan.slots
+    # Plan.held's terms for a whole stack owned alone (no padding): values, momentum and
+    # a master where the values are kept in another dtype.
+    master = dtypes.master.itemsize * (2 if dtypes.values != dtypes.master else 1)
     for item, (_, p), owner in zip(items, params, owners, strict=True):
         ns[owner] += item.cost
-        held[owner] += p.numel() * (value_bytes + state_bytes)
+        held[owner] += p.numel() * (dtypes.values.itemsize + master)
     return ns, held
 
 
@@ -132,10 +136,11 @@ def plot(rows: list[dict], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[4, 8])
-    parser.add_argument("--value-bytes", type=int, default=2)
-    parser.add_argument("--state-bytes", type=int, default=8)
+    parser.add_argument("--values-dtype", default="bfloat16")
+    parser.add_argument("--master-dtype", default="float32")
     parser.add_argument("--out", type=Path, default=Path("outputs/bench_moe_balance"))
     args = parser.parse_args()
+    dtypes = HeldDtypes(getattr(torch, args.values_dtype), getattr(torch, args.master_dtype))
     import torchtitan_dmuon.titan  # noqa: F401 - registers the DMuon train specs
 
     rows = []
@@ -143,8 +148,8 @@ def main() -> None:
         model = build_meta_model(name, flavor)
         for ranks in args.ranks:
             plan = plan_for(model, ranks)
-            expert_ns, expert_held = per_expert_loads(plan, args.value_bytes, args.state_bytes)
-            stack_ns, stack_held = per_stack_loads(plan, args.value_bytes, args.state_bytes)
+            expert_ns, expert_held = per_expert_loads(plan, dtypes)
+            stack_ns, stack_held = per_stack_loads(plan, dtypes)
             rows.append(
                 dict(
                     model=name,
@@ -173,7 +178,7 @@ def main() -> None:
             f"{r['per_stack_max_held_gib']:>10.3f}{r['per_expert_max_held_gib']:>11.3f}"
         )
     args.out.mkdir(parents=True, exist_ok=True)
-    meta = dict(value_bytes=args.value_bytes, state_bytes=args.state_bytes, params=PARAMS)
+    meta = dict(values_dtype=args.values_dtype, master_dtype=args.master_dtype, params=PARAMS)
     (args.out / "results.json").write_text(json.dumps(dict(settings=meta, rows=rows), indent=2))
     plot(rows, args.out / "moe_balance.png")
     print(f"wrote {args.out / 'results.json'} and {args.out / 'moe_balance.png'}")

@@ -13,9 +13,9 @@ products and its groups' Gram all-reduces, what ``dedicate_params`` does by defa
 
 Per layout it reports, over the data-parallel ranks: the max/mean Newton-Schulz FLOPs
 (``ns_flops``), how many ranks own nothing, the max/mean bytes held between steps for
-the dedicated matrices (``Plan.held_bytes``: values at ``--value-bytes`` per element,
-masters and momentum at ``--state-bytes``; TorchTitan's bf16 compute with fp32 master
-and momentum by default) and the busiest rank's held bytes, NS FLOPs per step and
+the dedicated matrices (``Plan.held_bytes``, the engine's one formula: values in
+``--values-dtype``, masters and momentum in ``--master-dtype``; TorchTitan's bf16 compute
+with fp32 master and momentum by default) and the busiest rank's held bytes, NS FLOPs per step and
 modeled NS time on an H100 (``engine/machine.py``: peak bf16 FLOP/s, Grams at NVLink
 speed within a node); prints a markdown table and writes ``results.json`` and
 ``plan_scaling.png`` into ``--out``.
@@ -36,7 +36,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_moe_balance import build_meta_model  # noqa: E402
 
 from torchtitan_dmuon.engine.machine import DEFAULT_GPU  # noqa: E402
-from torchtitan_dmuon.engine.plan import build_plan, max_over_mean, plan_with_groups  # noqa: E402
+from torchtitan_dmuon.engine.plan import (  # noqa: E402
+    HeldDtypes,
+    build_plan,
+    max_over_mean,
+    plan_with_groups,
+)
 from torchtitan_dmuon.titan.config import MODEL_SELECTIONS  # noqa: E402
 
 MODELS = [("llama3", "8B"), ("llama3", "70B")]
@@ -45,7 +50,7 @@ GPUS_PER_NODE = 8
 NS_STEPS = 5  # torch.optim.Muon's default
 
 
-def plan_rows(name: str, flavor: str, ranks: list[int], value_bytes: int, state_bytes: int):
+def plan_rows(name: str, flavor: str, ranks: list[int], dtypes: HeldDtypes):
     model = build_meta_model(name, flavor)
     patterns = MODEL_SELECTIONS[name].params
     selected = [
@@ -67,7 +72,7 @@ def plan_rows(name: str, flavor: str, ranks: list[int], value_bytes: int, state_
 
             for owners, plan in (("one", build(1)), ("planner", plan_with_groups(build, shard))):
                 ns = plan.ns_loads()
-                held = plan.held_bytes(value_bytes, state_bytes)
+                held = plan.held_bytes(dtypes)
                 yield dict(
                     model=f"{name} {flavor}",
                     layout=f"{layout} {replicate}x{shard}",
@@ -123,15 +128,12 @@ def plot(rows: list[dict], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=RANKS)
-    parser.add_argument("--value-bytes", type=int, default=2)
-    parser.add_argument("--state-bytes", type=int, default=8)
+    parser.add_argument("--values-dtype", default="bfloat16")
+    parser.add_argument("--master-dtype", default="float32")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/plan_scaling"))
     args = parser.parse_args()
-    rows = [
-        row
-        for name, flavor in MODELS
-        for row in plan_rows(name, flavor, args.ranks, args.value_bytes, args.state_bytes)
-    ]
+    dtypes = HeldDtypes(getattr(torch, args.values_dtype), getattr(torch, args.master_dtype))
+    rows = [row for name, flavor in MODELS for row in plan_rows(name, flavor, args.ranks, dtypes)]
     print(f"plan only (no step runs); torch {torch.__version__}")
     print(
         "| model | layout | owners | group size | ranks | matrices | NS max/mean | "
@@ -148,7 +150,7 @@ def main() -> None:
             f"{r['held_max_gib']:.2f} | {r['ns_max_tflop']:.2f} | {r['ns_modeled_ms']:.2f} |"
         )
     args.out.mkdir(parents=True, exist_ok=True)
-    settings = dict(value_bytes=args.value_bytes, state_bytes=args.state_bytes)
+    settings = dict(values_dtype=args.values_dtype, master_dtype=args.master_dtype)
     (args.out / "results.json").write_text(json.dumps(dict(settings=settings, rows=rows), indent=2))
     plot(rows, args.out / "plan_scaling.png")
     print(f"wrote {args.out / 'results.json'} and {args.out / 'plan_scaling.png'}")

@@ -295,6 +295,6 @@ def test_one_update_road_steps_flagged_matrices_as_torch_and_keeps_the_others(dt
         adjust_lr_fn=None,
         stepped=flags,
     )
-    for (p, b), (want_p, want_b) in zip(zip(params, buffers), expected, strict=True):
+    for (p, b), (want_p, want_b) in zip(zip(params, buffers, strict=True), expected, strict=True):
         assert torch.equal(b, want_b)
         assert torch.equal(p, want_p)

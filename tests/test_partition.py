@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from torchtitan_dmuon.engine.plan import (
+    HeldDtypes,
     PartitionItem,
     assign_owners,
     build_plan,
@@ -115,7 +116,7 @@ def test_split_stacks_balance_ns_cost_and_held_bytes():
             ]  # fmt: skip
             assert sorted(c for c, _ in pieces) == [0, 1, 2, 3]
             assert sorted(e for _, e in pieces) == [(0, 2), (2, 4), (4, 6), (6, 8)]
-    held = plan.held_bytes(value_bytes=2, state_bytes=8)
+    held = plan.held_bytes(HeldDtypes(torch.bfloat16, torch.float32))
     assert plan.balance() <= 1.10
     assert max(held) / (sum(held) / len(held)) <= 1.25
     # The same matrices with one owner per stack (each as one item of its full cost).

@@ -1,7 +1,8 @@
 """The plan report (``engine/report.py``) against what a step measures.
 
 Every figure is counted from the plan before a step runs; here it meets what the ranks then
-hold (``Dedication.memory_bytes``), orthogonalize (``Muon.ns_matrices``) and move (every
+hold (their live buffers, masters and optimizer state, ``tests/support/held.py``),
+orthogonalize (``Muon.ns_matrices``) and move (every
 ``torch.distributed`` collective of a steady-state step, counted by ``CollectiveCounter``),
 and, for the AdamW column, what an FSDP2 + AdamW run of the same model and mesh moves.
 """
@@ -35,6 +36,7 @@ KINDS = {
 }
 STEPS = 2
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+FP32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
 
 
 def by_kind(counted: dict[str, int]) -> dict[str, int]:
@@ -98,9 +100,10 @@ def _check(by_rank, adamw_by_rank, world, kinds=None):
         assert predicted == measured
         if adamw_by_rank is not None:
             assert mine["adamw_bytes"] == by_kind(adamw_by_rank[rank][1])
-        assert {k: v for k, v in mine["held"].items() if k != "normuon"} == {
-            k: v for k, v in result["memory"].items() if v
-        }
+        # The plan's formula (the report's and the dedication's) against the live tensors.
+        live = result["memory"]
+        assert {k: v for k, v in mine["held"].items() if v} == {k: v for k, v in live.items() if v}
+        assert result["held_bytes"][rank] == sum(v for k, v in live.items() if k != "normuon")
         assert mine["owned"] * STEPS == result["ns_matrices"]
         assert mine["ns_flops"] > 0
     assert len(by_rank[0][0]["report"]) == world
@@ -113,6 +116,20 @@ def test_report_counts_what_a_step_moves_and_holds(layout):
     fsdp_only = {k: config[k] for k in ("hsdp_shape", "mp_policy", "accum") if k in config}
     adamw = run_distributed(_adamw_worker, 4, fsdp_only)
     _check(by_rank, adamw, 4)
+
+
+@pytest.mark.parametrize("variant", ["muon", "normuon"])
+def test_held_bytes_of_the_plan_are_the_live_bytes_under_per_block_precision(variant):
+    """FSDP2's mixed precision is per fully_shard call: the first block's values in bf16
+    (a float32 master beside them), the second's in float32 (none). Each rank's bytes
+    kept between steps, by kind, as the one formula (Plan.held) counts them from each
+    boundary's dtypes, equal the storage of its live buffers, masters and optimizer state
+    (the dedication's log used to take the first unit's dtypes for all)."""
+    config = dict(z3=True, mp_policy=[BF16, FP32], variant=variant, fsdp=True, steps=STEPS)
+    by_rank = run_distributed(train_configs, 4, [config])
+    _check(by_rank, None, 4)
+    kinds = {k for (result,) in by_rank for k, v in result["memory"].items() if v}
+    assert kinds >= {"params", "masters", "momentum"}
 
 
 def _adamw_worker(rank, world, kwargs):

@@ -21,6 +21,7 @@ import torchtitan_dmuon.engine.hooks as hooks_module
 import torchtitan_dmuon.optim.ns_choice as ns_choice_module
 from tests.models import batch, loss_fn, make_model, proj_predicate, shard_experts
 from tests.support.collectives import CollectiveCounter
+from tests.support.held import live_held_bytes
 from torchtitan_dmuon import (
     Muon,
     MuonStepError,
@@ -189,13 +190,17 @@ def train_dmuon(
         owner_group_size=owner_group_size,
     )
     if fsdp:
-        fsdp_kwargs = {"mesh": fsdp_mesh}
-        if mp_policy is not None:
-            fsdp_kwargs["mp_policy"] = mp_policy
-        for layer in model.layers:
-            fully_shard(layer, **fsdp_kwargs)
+        # One policy for all, or one per block (FSDP2's policy is per fully_shard call;
+        # the root then keeps its parameters' dtype).
+        per_block = isinstance(mp_policy, (list, tuple))
+        policies = mp_policy if per_block else [mp_policy] * len(model.layers)
+        for layer, policy in zip(model.layers, policies, strict=True):
+            fully_shard(layer, mesh=fsdp_mesh, **({"mp_policy": policy} if policy else {}))
         if fsdp != "blocks":
-            fully_shard(model, **fsdp_kwargs)
+            root_policy = None if per_block else mp_policy
+            fully_shard(
+                model, mesh=fsdp_mesh, **({"mp_policy": root_policy} if root_policy else {})
+            )
     # Counted before any value exists, as TorchTitan's plan report does on the meta device.
     ns_bytes = ns_dtype.itemsize if isinstance(ns_dtype, torch.dtype) else 2
     counts = StepCounts(micro_batches=accum, normuon=variant == "normuon", ns_bytes=ns_bytes)
@@ -283,7 +288,8 @@ def train_dmuon(
             sum(4 * (u.numel + len(u.params)) for u in dedication.plan.units if u.domain == k)
             for k in range(len(dedication.plan.domains))
         ],
-        "memory": dedication.memory_bytes(),
+        "memory": live_held_bytes(dedication, opt),
+        "held_bytes": dedication.held_bytes(),
         "misaligned": misaligned_views(dedication, opt),
         "snapshot": snapshot,
         "events": events,

@@ -36,15 +36,24 @@ from torchtitan_dmuon.engine.param_layout import (
     ParamLayout,
     PieceShard,
 )
-from torchtitan_dmuon.engine.plan import DedicatedParam, Plan, UnitPlan, max_over_mean
-from torchtitan_dmuon.engine.unit import Unit, bind_boundary
+from torchtitan_dmuon.engine.plan import (
+    Boundary,
+    DedicatedParam,
+    HeldDtypes,
+    Plan,
+    UnitPlan,
+    max_over_mean,
+)
+from torchtitan_dmuon.engine.unit import Unit, bind_boundary, unit_dtypes
 from torchtitan_dmuon.optim.newton_schulz import matrix_count
 
 __all__ = [
     "Dedication",
     "DedicationSettings",
+    "boundary_dtypes",
     "dedication_of",
     "get_dedication",
+    "held_dtypes",
 ]
 
 logger = logging.getLogger(__name__)
@@ -115,6 +124,21 @@ def dedication_of(model: nn.Module) -> Dedication:
     return dedication
 
 
+def boundary_dtypes(model: nn.Module, boundary: Boundary) -> tuple[torch.dtype, torch.dtype]:
+    """``(values, reduce)`` dtypes of a boundary's units under the ``fully_shard`` call that
+    covers it, as :meth:`Unit.bind` picks them."""
+    master = boundary.units[0].params[0].param.dtype
+    return unit_dtypes(master, *fsdp.mixed_precision_of(model, boundary.name))
+
+
+def held_dtypes(model: nn.Module, boundary: Boundary) -> HeldDtypes:
+    """The dtypes a boundary's dedicated matrices are kept in (see :meth:`Plan.held`), read
+    before the units bind (then a parameter is a view in the compute dtype)."""
+    return HeldDtypes(
+        values=boundary_dtypes(model, boundary)[0], master=boundary.units[0].params[0].param.dtype
+    )
+
+
 class Dedication:
     """The ownership plan of one model and the state that carries it out.
 
@@ -172,6 +196,7 @@ class Dedication:
         self.slot_ranks: list[int] | None = None
         self.expert_owner_ranks: dict[tuple[int, int, int], int] | None = None
         self.initialized = False
+        self._held_dtypes: dict[str, HeldDtypes] = {}  # by boundary, read at lazy_init
         # Between ``materialize.to_empty`` and the end of ``materialize.initializing``:
         # (device, the unheld matrices left on the meta device, by name).
         self.awaiting_init: tuple[torch.device, dict[str, nn.Parameter]] | None = None
@@ -266,6 +291,8 @@ class Dedication:
                 "initialized: run its initialization inside initializing(model) first"
             )
         self.bind_params()
+        # Before binding: a bound parameter is a view in the compute dtype.
+        self._held_dtypes = {b.name: held_dtypes(self.model, b) for b in self.plan.boundaries}
         for boundary, units in zip(self.plan.boundaries, self.boundary_units, strict=True):
             dtypes = fsdp.mixed_precision_of(self.model, boundary.name)
             bind_boundary(units, *dtypes, self._start_value)
@@ -415,23 +442,10 @@ class Dedication:
         domain's matrices or of all."""
         return self.plan.balance(domain)
 
-    def memory_bytes(self) -> dict[str, int]:
-        """What this rank keeps between steps for dedicated matrices: ``params`` (values of
-        the units it holds), ``masters`` (primary, mixed precision), ``momentum`` (primary)."""
-        total = {"params": 0, "masters": 0, "momentum": 0}
-        for unit in self.units:
-            for key, value in unit.memory_bytes().items():
-                total[key] += value
-        return total
-
     def held_bytes(self) -> list[int]:
         """Bytes each rank (slot order) keeps between steps for dedicated matrices
-        (values, masters and momentum), from the plan and the bound dtypes."""
-        unit = self.units[0]
-        compute_dtype = unit.buffers[0].dtype
-        mixed = compute_dtype != unit.master_dtype  # a master beside the momentum
-        state_bytes = unit.master_dtype.itemsize * (2 if mixed else 1)
-        return self.plan.held_bytes(compute_dtype.itemsize, state_bytes)
+        (values, masters and momentum), from the plan and each boundary's dtypes."""
+        return self.plan.held_bytes(lambda boundary: self._held_dtypes[boundary.name])
 
     def _log_balance(self) -> None:
         held = self.held_bytes()

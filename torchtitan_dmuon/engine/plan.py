@@ -36,10 +36,12 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections import defaultdict
+import math
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -53,6 +55,7 @@ from torchtitan_dmuon.engine.param_layout import (
     split_among_owners,
 )
 from torchtitan_dmuon.optim.newton_schulz import ns_flops, split_ns_flops
+from torchtitan_dmuon.optim.normuon import second_moment_shape
 from torchtitan_dmuon.optim.sharded_ns import split_ns_bytes
 
 __all__ = [
@@ -61,6 +64,7 @@ __all__ = [
     "BoundaryPredicate",
     "DedicatedParam",
     "Domain",
+    "HeldDtypes",
     "PartitionItem",
     "Plan",
     "Predicate",
@@ -533,19 +537,60 @@ class Plan:
         """Max over mean Newton-Schulz load over all ranks (1.0 is perfect)."""
         return max_over_mean(self.ns_loads(domain))
 
-    def held_bytes(self, value_bytes: int, state_bytes: int) -> list[int]:
-        """Bytes each data-parallel rank (slot order) keeps between steps for dedicated
-        matrices: the values of every unit of its column (``value_bytes`` per element)
-        and the state of the units it is the primary of (``state_bytes`` per element:
-        momentum, and a master under mixed precision), per element of a unit's layout
-        (its padding included)."""
-        held = [0] * self.slots
-        for unit in self.units:
-            for s in self.rank_slots(unit, primary=False):
-                held[s] += unit.numel * value_bytes
-            for s in self.rank_slots(unit, primary=True):
-                held[s] += unit.numel * state_bytes
+    def held(
+        self, dtypes: HeldDtypes | Callable[[Boundary], HeldDtypes], *, normuon: bool = False
+    ) -> list[Counter]:
+        """What each data-parallel rank (slot order) keeps between steps for the dedicated
+        matrices, in bytes by kind: ``params`` (the flat values of every unit of its
+        column, padding included), ``momentum`` (one tensor per matrix it is the primary
+        owner of, no padding), ``masters`` (its flat full-precision copy of those units,
+        where the values are kept in another dtype) and, with ``normuon``, NorMuon's
+        second moments. The one formula: the plan report, the dedication's log, the
+        scaling benchmarks and the test of the live tensors use it.
+
+        Args:
+            dtypes: Each boundary's :class:`HeldDtypes` (one for all, or per boundary:
+                FSDP2's mixed precision is per ``fully_shard`` call).
+            normuon: Count NorMuon's second moments.
+        """
+        held = [Counter() for _ in range(self.slots)]
+        for boundary in self.boundaries:
+            kept = dtypes if isinstance(dtypes, HeldDtypes) else dtypes(boundary)
+            values, master = kept.values.itemsize, kept.master.itemsize
+            for unit in boundary.units:
+                for s in self.rank_slots(unit, primary=False):
+                    held[s]["params"] += unit.numel * values
+                for s in self.rank_slots(unit, primary=True):
+                    held[s]["momentum"] += unit.matrix_numel * master
+                    if kept.values != kept.master:
+                        held[s]["masters"] += unit.numel * master
+                    if normuon:
+                        held[s]["normuon"] += master * sum(
+                            math.prod(second_moment_shape(d.layout.local_shape))
+                            for d in unit.params
+                        )
         return held
+
+    def held_bytes(
+        self, dtypes: HeldDtypes | Callable[[Boundary], HeldDtypes], *, normuon: bool = False
+    ) -> list[int]:
+        """Each data-parallel rank's total of :meth:`held`."""
+        return [sum(kinds.values()) for kinds in self.held(dtypes, normuon=normuon)]
+
+
+@dataclass(frozen=True)
+class HeldDtypes:
+    """The dtypes one boundary's dedicated matrices are kept in between steps.
+
+    Attributes:
+        values: What every holder of a unit keeps and forward uses: FSDP2's
+            ``param_dtype`` for the boundary, else the parameters' dtype.
+        master: The parameters' dtype: the owner's momentum, NorMuon's second moments and,
+            where ``values`` differs, its master copy.
+    """
+
+    values: torch.dtype
+    master: torch.dtype
 
 
 # ---- building it -----------------------------------------------------------------

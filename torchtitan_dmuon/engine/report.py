@@ -21,6 +21,7 @@ for either optimizer). ``Muon.step``'s failure verdict (a flag per rank) is coun
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -31,13 +32,16 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from torchtitan_dmuon.engine import fsdp
-from torchtitan_dmuon.engine.dedication import Dedication, dedication_of
+from torchtitan_dmuon.engine.dedication import (
+    Dedication,
+    boundary_dtypes,
+    dedication_of,
+    held_dtypes,
+)
 from torchtitan_dmuon.engine.others import bucket_params
 from torchtitan_dmuon.engine.param_layout import local_tensor
 from torchtitan_dmuon.engine.plan import max_over_mean
-from torchtitan_dmuon.engine.unit import unit_dtypes
 from torchtitan_dmuon.optim.newton_schulz import matrix_count
-from torchtitan_dmuon.optim.normuon import second_moment_shape
 from torchtitan_dmuon.optim.sharded_ns import split_ns_bytes
 
 __all__ = ["PlanReport", "RankReport", "StepCounts", "plan_report"]
@@ -183,9 +187,11 @@ def plan_report(model: nn.Module, counts: StepCounts) -> PlanReport:
     z3 = dedication.settings.reshard_after_forward
     last = len(plan.boundaries) - 1
     everyone = Counter()  # what every rank's shard groups move for the dedicated matrices
+    held = plan.held(functools.partial(held_dtypes, model), normuon=counts.normuon)
+    for rank, kinds in zip(ranks, held, strict=True):
+        rank.held.update(kinds)
     for index, boundary in enumerate(plan.boundaries):
-        value_dtype, reduce_dtype, master_dtype = _unit_dtypes(model, boundary)
-        state_itemsize = master_dtype.itemsize
+        value_dtype, reduce_dtype = boundary_dtypes(model, boundary)
         gathers = counts.micro_batches * (2 if z3 and index != last else 1)
         for unit in boundary.units:
             values = unit.numel * value_dtype.itemsize
@@ -193,7 +199,6 @@ def plan_report(model: nn.Module, counts: StepCounts) -> PlanReport:
             everyone["broadcast"] += gathers * values
             everyone["reduce"] += counts.micro_batches * bucket
             for slot in plan.rank_slots(unit, primary=False):
-                ranks[slot].held["params"] += values
                 if plan.replicate_size > 1:  # stage 2 onto the primary, then its values back
                     ranks[slot].dmuon_bytes["reduce"] += counts.micro_batches * bucket
                     ranks[slot].dmuon_bytes["broadcast"] += values
@@ -201,13 +206,6 @@ def plan_report(model: nn.Module, counts: StepCounts) -> PlanReport:
                 rank = ranks[slot]
                 rank.owned += sum(matrix_count(d.layout.shape) for d in unit.params)
                 rank.ns_flops += 2 * sum(d.layout.ns_cost(counts.ns_steps) for d in unit.params)
-                rank.held["momentum"] += unit.matrix_numel * state_itemsize  # unpadded
-                if value_dtype != master_dtype:
-                    rank.held["masters"] += unit.numel * state_itemsize
-                if counts.normuon:
-                    rank.held["normuon"] += state_itemsize * sum(
-                        math.prod(second_moment_shape(d.layout.local_shape)) for d in unit.params
-                    )
                 for d in unit.params:
                     if d.layout.block is not None:
                         rank.dmuon_bytes["all_reduce"] += _owner_group_bytes(d.layout, counts)
@@ -224,13 +222,6 @@ def plan_report(model: nn.Module, counts: StepCounts) -> PlanReport:
         sum(d.layout.matrices for d in plan.params),
         counts,
     )
-
-
-def _unit_dtypes(model: nn.Module, boundary) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
-    """``(values, reduce, master)`` dtypes of a boundary's units, as ``Unit.bind`` picks them."""
-    param_dtype, reduce_dtype = fsdp.mixed_precision_of(model, boundary.name)
-    master = boundary.units[0].params[0].param.dtype
-    return (*unit_dtypes(master, param_dtype, reduce_dtype), master)
 
 
 def _other_params_traffic(model: nn.Module, dedication: Dedication, counts: StepCounts) -> Counter:

@@ -282,19 +282,6 @@ class Unit:
     def grad_view(self, d: DedicatedParam) -> torch.Tensor:
         return self.view(self.grad, d)
 
-    def memory_bytes(self) -> dict[str, int]:
-        """What this rank keeps between steps for the unit (see
-        :meth:`Dedication.memory_bytes`)."""
-        held = {"params": 0, "masters": 0, "momentum": 0}
-        if self.holds and self.buffers:
-            held["params"] = self.numel * self.buffers[0].element_size()
-        if self.master is not None:
-            held["masters"] = self.master.numel() * self.master.element_size()
-        if self.primary:  # one momentum tensor per matrix: no padding
-            dtype = self.master_dtype or self.params[0].param.dtype
-            held["momentum"] = self.plan.matrix_numel * dtype.itemsize
-        return held
-
 
 def bind_boundary(
     units: list[Unit],

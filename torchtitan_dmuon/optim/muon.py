@@ -218,8 +218,7 @@ def apply_muon_update(
     if not params:
         return
     if stepped is None:
-        every = torch.ones((), dtype=torch.bool, device=params[0].device)
-        stepped = [every] * len(params)
+        stepped = _every_steps(params)
     with record_function("muon::update"):
         for indices in _batches(params):
             bucket = [params[i] for i in indices]
@@ -247,6 +246,11 @@ def apply_muon_update(
 
 
 _REDUCED = (torch.bfloat16, torch.float16)
+
+
+def _every_steps(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The flags of matrices that all step (one set 0-dim tensor on their device)."""
+    return [torch.ones((), dtype=torch.bool, device=params[0].device)] * len(params)
 
 
 def _flag_values(
@@ -418,9 +422,7 @@ def commit_group(
     group, update = pending.group, pending.update
     if not group.keys:
         return 0
-    stepped = group.stepped
-    if stepped is None:
-        stepped = [torch.ones((), dtype=torch.bool, device=group.params[0].device)] * len(group.keys)
+    stepped = group.stepped if group.stepped is not None else _every_steps(group.params)
     if skip is not None:
         go = skip == 0
         stepped = [go & s for s in stepped]
