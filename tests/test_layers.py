@@ -78,3 +78,14 @@ def test_no_module_imports_one_that_imports_it_back():
 
     for name in sorted(inside):
         visit(name, [])
+
+
+def test_the_package_muon_only_picks_the_matrix_set():
+    """``torchtitan_dmuon.Muon`` is the math's ``Muon`` given its model's matrix set: it
+    adds a constructor and no step, state or QK-clip of its own (those are optim's)."""
+    import torchtitan_dmuon
+    from torchtitan_dmuon.optim import optimizer
+
+    added = set(vars(torchtitan_dmuon.Muon)) - {"__init__", "__doc__", "__module__"}
+    assert added <= {"__qualname__", "__firstlineno__", "__static_attributes__"}, added
+    assert torchtitan_dmuon.Muon.__mro__[1] is optimizer.Muon

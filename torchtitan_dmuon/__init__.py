@@ -6,9 +6,10 @@ new value. While a model is dedicated, ``fully_shard`` skips its dedicated param
 (``engine/fsdp.py``).
 
 Layout: ``optim`` (the math and the settings, no torch.distributed: ``MuonConfig``,
-Newton-Schulz and its choice, the functional Muon update, NorMuon, QK-clip, the one-process
-matrix set), ``engine`` (ownership: partition, dedication, communication, hooks, the owned
-matrix set; no TorchTitan), ``optimizer`` (the thin ``Muon`` class over both), ``titan``
+Newton-Schulz and its choice, the functional Muon update, the ``Muon`` optimizer over a
+matrix set, NorMuon, QK-clip, the one-process matrix set), ``engine`` (ownership:
+partition, dedication, communication, hooks, the owned matrix set; no TorchTitan),
+``optimizer`` (``torchtitan_dmuon.Muon``: optim's, given its model's matrix set), ``titan``
 (the TorchTitan adapter).
 """
 

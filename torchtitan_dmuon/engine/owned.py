@@ -28,19 +28,15 @@ from torchtitan_dmuon.engine.comm import gather_over_groups, mesh_device
 from torchtitan_dmuon.engine.dedication import Dedication
 from torchtitan_dmuon.engine.verification import verify_plan
 from torchtitan_dmuon.optim.config import MuonConfig
+from torchtitan_dmuon.optim.matrices import MuonStepError
 from torchtitan_dmuon.optim.muon import MatrixGroup, NSFunction
 from torchtitan_dmuon.optim.ns_choice import NSChoice
 from torchtitan_dmuon.optim.qk_clip import QKClip
 
-__all__ = ["MuonStepError", "OwnedMatrices", "StepVerdict", "gather_over"]
+__all__ = ["OwnedMatrices", "StepVerdict", "gather_over"]
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
-
-
-class MuonStepError(RuntimeError):
-    """A ``Muon.step`` failed on some rank of the dedication; it changed nothing on any
-    rank. Raised by every rank at its next ``step()``."""
 
 
 def gather_over(dedication: Dedication, obj) -> list:

@@ -27,9 +27,14 @@ from torchtitan_dmuon.optim.newton_schulz import matrix_count
 from torchtitan_dmuon.optim.ns_choice import Gather, NSChoice
 from torchtitan_dmuon.optim.qk_clip import QKClip
 
-__all__ = ["LocalMatrices", "MatrixSet", "local_view"]
+__all__ = ["LocalMatrices", "MatrixSet", "MuonStepError", "local_view"]
 
 T = TypeVar("T")
+
+
+class MuonStepError(RuntimeError):
+    """A ``Muon.step`` failed on some rank of the matrix set; it changed nothing on any
+    rank. Raised by every rank at its next ``step()`` (:meth:`MatrixSet.begin_step`)."""
 
 
 def local_view(tensor: torch.Tensor) -> torch.Tensor:
