@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard import _fsdp_init
 from torch.distributed.tensor import DTensor
 
 from tests.dist import run_distributed
@@ -37,7 +38,6 @@ from tests.workers import (
     trained_tolerance,
 )
 from torchtitan_dmuon import Muon, dedicate_params, get_dedication
-from torchtitan_dmuon.engine import fsdp as engine_fsdp
 
 BRANCH_STEPS = 3
 
@@ -355,6 +355,11 @@ def test_hook_boundary_predicate_moves_hooks_not_owners():
     assert blocks["collectives"][1]["calls"]["reduce"] == 4
 
 
+def _skips_dedicated() -> bool:
+    """Whether FSDP2's parameter collection is replaced now (by a wrapper of torch's)."""
+    return hasattr(_fsdp_init._get_managed_states, "__wrapped__")
+
+
 def fsdp_patch_worker(rank, world):
     """FSDP2's parameter collection skips dedicated parameters while a model is
     dedicated, and only then."""
@@ -366,7 +371,7 @@ def fsdp_patch_worker(rank, world):
         fully_shard(model, mesh=mesh)
         return {n: isinstance(p, DTensor) for n, p in model.named_parameters()}
 
-    out = {"at_import": engine_fsdp.is_installed()}
+    out = {"at_import": _skips_dedicated()}
     model = make_model(seed=0)
     dedication = dedicate_params(model, mesh, proj_predicate)
     out["dedicated"] = sharded(model)
@@ -375,10 +380,10 @@ def fsdp_patch_worker(rank, world):
     other = make_model(seed=0)
     dedicate_params(other, mesh, proj_predicate).remove()
     out["removed_registered"] = get_dedication(other) is not None
-    out["installed_for_the_first"] = engine_fsdp.is_installed()
+    out["installed_for_the_first"] = _skips_dedicated()
     out["after_remove"] = sharded(other)
     dedication.remove()
-    out["after_the_last"] = engine_fsdp.is_installed()
+    out["after_the_last"] = _skips_dedicated()
     out["fsdp_alone"] = sharded(make_model(seed=0))
     return out
 

@@ -15,24 +15,32 @@ from torchtitan_dmuon.titan.patches import PatchRegistry
 from torchtitan_dmuon.titan.train import DMuonTrainer
 
 patched: list[tuple[object, str, object, object]] = []
+"""Each name a patch registry replaced: target, name, original, patch."""
+
+_registry_setattr = PatchRegistry.setattr
 
 
-class ProbedTrainer(DMuonTrainer):
-    """Records, when training starts, each replaced name: its original and its patch."""
+def _recording_setattr(self, target: object, name: str, value: object) -> None:
+    patched.append((target, name, getattr(target, name, PatchRegistry.MISSING), value))
+    _registry_setattr(self, target, name, value)
 
-    def train(self) -> None:
-        for target, name, original in self.patches.patched():
-            patched.append((target, name, original, getattr(target, name)))
-        super().train()
+
+PatchRegistry.setattr = _recording_setattr  # this probe's process only
 
 
 def restored() -> dict[str, bool]:
-    out = {}
+    """Per replaced name, whether it is its first original again (a name replaced twice
+    recorded the first patch as the second's original)."""
+    out, seen = {}, set()
     for target, name, original, _ in patched:
+        if (id(target), name) in seen:
+            continue
+        seen.add((id(target), name))
         if original is PatchRegistry.MISSING:  # an instance attribute: gone again
             out[_label(target, name)] = name not in vars(target)
         else:
-            out[_label(target, name)] = getattr(target, name) is original
+            # == : an instance's original method is a bound method, made anew per lookup
+            out[_label(target, name)] = getattr(target, name) == original
     return out
 
 
@@ -44,7 +52,7 @@ def fail_building(args: list[str]) -> str | None:
     """Build the trainer as ``main`` does (its ``parse_args`` reads the command line it saw
     at import), from ``args``; the error it raises, as text."""
     try:
-        ProbedTrainer(ConfigManager().parse_args(args))
+        DMuonTrainer(ConfigManager().parse_args(args))
     except Exception as error:
         return f"{type(error).__name__}: {error}"
     return None
@@ -53,7 +61,7 @@ def fail_building(args: list[str]) -> str | None:
 if __name__ == "__main__":
     originals = {"torch.histc": torch.histc, "torch.profiler.profile": torch.profiler.profile}
     args = sys.argv[1:]
-    main(ProbedTrainer)
+    main(DMuonTrainer)
     replaced = sorted({_label(target, name) for target, name, *_ in patched})
     after_completed = restored()
     failing_error = fail_building([*args, "--dmuon.ns_backend", "triton"])

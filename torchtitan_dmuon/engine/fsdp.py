@@ -32,7 +32,6 @@ from torch.distributed.fsdp._fully_shard import _fsdp_init
 __all__ = [
     "dedicated_names",
     "innermost_fsdp",
-    "is_installed",
     "mark_dedicated",
     "mixed_precision_of",
     "param_groups",
@@ -172,8 +171,3 @@ def _get_managed_states_skipping_dedicated(modules, ignored_params=None):
     if skipped:
         ignored_params = set(ignored_params or ()) | skipped
     return _original(modules, ignored_params)
-
-
-def is_installed() -> bool:
-    """Whether FSDP2's parameter collection skips dedicated parameters now."""
-    return _fsdp_init._get_managed_states is _get_managed_states_skipping_dedicated

@@ -45,11 +45,6 @@ class PatchRegistry:
             self._warnings.__enter__()
         warnings.filterwarnings(action, **kwargs)
 
-    def patched(self) -> list[tuple[object, str, object]]:
-        """``(target, name, original)`` of every replacement in force, oldest first (an
-        original that did not exist is :attr:`MISSING`)."""
-        return list(self._undo)
-
     def restore(self) -> None:
         """Put every original back (idempotent)."""
         while self._undo:
