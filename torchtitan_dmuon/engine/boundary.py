@@ -3,7 +3,7 @@ of FSDP2's ``FSDPParamGroup``.
 
 It owns what happens to one boundary's units: the gather in flight (and the replicate
 broadcasts it waited on), whether the values are here, whether its backward is over, and
-the reduces issued for it. The hook driver
+issues its reduces' first stage. The hook driver
 (:mod:`~torchtitan_dmuon.engine.hooks`) keeps only the pass state and decides *when* each
 boundary issues; this decides *how*, on which stream, and what it waits for.
 """
@@ -59,7 +59,6 @@ class BoundaryState:
         reduce_due: Its backward is over (its post-backward ran for every call): it may
             reduce.
         reduce_issued: Its reduce went out in this backward; a later gradient is an error.
-        reduces: Its units' reduces issued in this backward, in issue order.
     """
 
     def __init__(
@@ -72,7 +71,6 @@ class BoundaryState:
         self.resident = False
         self.reduce_due = False
         self.reduce_issued = False
-        self.reduces: list[PendingReduce] = []
         self._gather: list[dist.Work] | None = None
         self._replicate: list[dist.Work] = []
 
@@ -110,16 +108,14 @@ class BoundaryState:
             unit.free()
 
     # ---- gradients -----------------------------------------------------------------------
-    def issue_reduce(self) -> None:
+    def issue_reduce(self) -> list[PendingReduce]:
         """Stage 1 of every unit's reduce: pack, free the values outside the column and
-        SUM onto the column; the parameters' gradients go (packed)."""
+        SUM onto the column; the parameters' gradients go (packed). Returns the reduces,
+        for :class:`~torchtitan_dmuon.engine.reduce.BackwardReduce` to carry on."""
         with record_function(f"dmuon::reduce b{self.index}"):
-            self.reduces = [self.exchange.reduce_to_column(unit) for unit in self.units]
+            reduces = [self.exchange.reduce_to_column(unit) for unit in self.units]
             for param in self.boundary.parameters:
                 param.grad = None  # packed (a stack's pieces by several units)
             self.resident = False  # reduce_to_column freed the values
             self.reduce_issued = True
-
-    def take_reduces(self) -> list[PendingReduce]:
-        reduces, self.reduces = self.reduces, []
         return reduces

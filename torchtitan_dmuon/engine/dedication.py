@@ -29,7 +29,7 @@ from torch.profiler import record_function
 
 from torchtitan_dmuon.engine import comm, fsdp
 from torchtitan_dmuon.engine.boundary import BoundaryState
-from torchtitan_dmuon.engine.exchange import Exchange, PendingReduce
+from torchtitan_dmuon.engine.exchange import Exchange
 from torchtitan_dmuon.engine.hooks import HookDriver
 from torchtitan_dmuon.engine.others import OtherParams
 from torchtitan_dmuon.engine.param_layout import (
@@ -44,6 +44,7 @@ from torchtitan_dmuon.engine.plan import (
     UnitPlan,
     max_over_mean,
 )
+from torchtitan_dmuon.engine.reduce import BackwardReduce
 from torchtitan_dmuon.engine.unit import Unit, bind_boundary, unit_dtypes
 from torchtitan_dmuon.optim.newton_schulz import matrix_count
 
@@ -192,7 +193,6 @@ class Dedication:
         self.units: list[Unit] = [u for units in self.boundary_units for u in units]
         self.others: OtherParams | None = None
         self.set_pipeline_stage(None)
-        self.synced_backwards = 0
         self.slot_ranks: list[int] | None = None
         self.expert_owner_ranks: dict[tuple[int, int, int], int] | None = None
         self.initialized = False
@@ -210,7 +210,7 @@ class Dedication:
         states = [
             BoundaryState(b, boundary, units, self.exchange) for b, (boundary, units) in pairs
         ]
-        self.driver = HookDriver(self, states)
+        self.driver = HookDriver(self, states, self._backward_reduce)
         self.driver.register(model)
         self.bind_params()
         _DEDICATIONS[model] = weakref.ref(self)
@@ -313,13 +313,20 @@ class Dedication:
         self.initialized = True
 
     # ---- what the hooks call -----------------------------------------------------------------
-    def finish_reduces(self, reduces: list[PendingReduce]) -> None:
-        """End of a reduced backward: the primaries accumulate their gradients (experts'
-        too: they sum every data-parallel rank's tokens); DDP-style sync of the rest."""
+    def _backward_reduce(self) -> BackwardReduce:
+        """A backward's reduce, with the divisor in force (``set_gradient_divide_factor``,
+        else the data-parallel size) and the DDP-style parameters."""
         divide = self.settings.divide_factor(self.shard_size * self.replicate_size)
-        self.exchange.finish_reduces(reduces, divide)
-        self.others.sync_grads(divide)
-        self.synced_backwards += 1
+        return BackwardReduce(self.exchange, divide, self.others)
+
+    @property
+    def synced_backwards(self) -> int:
+        """Backwards that reduced gradients since the last step."""
+        return self.driver.synced_backwards
+
+    @synced_backwards.setter
+    def synced_backwards(self, count: int) -> None:
+        self.driver.synced_backwards = count
 
     @torch.no_grad()
     def divide_owned_grads(self, factor: float) -> None:

@@ -241,7 +241,7 @@ class Exchange:
         """Stage 1: pack the local gradients, free the values outside the column and SUM
         the bucket onto the unit's column inside its domain's shard group (an expert
         unit's: the ranks holding the same experts, which together saw every token
-        routed to them)."""
+        routed to them). The rest of the road: :mod:`~torchtitan_dmuon.engine.reduce`."""
         bucket = unit.pack_grads()
         unit.free()  # the caller drops the gradients
         domain = self.domain_of(unit)
@@ -249,52 +249,6 @@ class Exchange:
             bucket, unit.column, domain.reduce_group, self.stats, domain.kind("reduce")
         )
         return PendingReduce(unit, bucket, work)
-
-    def start_second_stages(self, reduces: list[PendingReduce]) -> None:
-        """HSDP: stage 2 (across replicas, onto the primary) of the column's units in
-        ``reduces`` not started yet, in issue order, on the reduce stream: it waits for
-        stage 1 there, so the compute stream does not. The caller issues them at points
-        fixed by the pass (one boundary behind stage 1, and at the end of backward), so
-        the replicate group's reduces run in one order on every replica."""
-        if self.replicas is None:
-            return
-        started = [p for p in reduces if p.unit.holds and p.to_primary is None]
-        if not started:
-            return
-        with self.streams.on(self.streams.reduce):
-            for pending in started:
-                pending.to_column.wait()
-                pending.to_primary = self.replicas.reduce_to_primary(pending.unit, pending.bucket)
-
-    def release_reduces(self, reduces: list[PendingReduce]) -> None:
-        """Drop the buckets of ``reduces`` outside the primary owners (whose bucket is the
-        reduced gradient, accumulated at the end of backward) once they landed.
-
-        Called with all but the last boundary's reduces as backward issues more, so a
-        rank holds at most two boundaries' buckets beyond its owned gradients, as FSDP2
-        keeps one reduce-scatter in flight; else every rank would hold the gradients of
-        every dedicated matrix until the end of backward. The reduce stream waits for
-        them, not the compute stream; the allocator reuses a bucket's memory only once
-        the reduce stream has passed that wait.
-        """
-        self.start_second_stages(reduces)
-        released = [p for p in reduces if p.bucket is not None and not p.unit.primary]
-        if not released:
-            return
-        reduce_stream = self.streams.reduce
-        self.streams.wait([w for p in released for w in p.works()], reduce_stream)
-        for pending in released:
-            self.streams.keep_until_done(pending.bucket, reduce_stream)
-            pending.bucket = None
-
-    def finish_reduces(self, reduces: list[PendingReduce], divide_factor: float) -> None:
-        """The remaining second stages; the compute stream waits for every reduce, then
-        the primaries accumulate their gradients."""
-        self.start_second_stages(reduces)
-        for pending in reduces:
-            pending.wait()
-            if pending.unit.primary:
-                pending.unit.accumulate_grads(pending.bucket, divide_factor)
 
     def agree_on_failed_pass(self, reduces_issued: int) -> tuple[int, int] | None:
         """Called by a rank whose last pass raised half-way, before it waits on anything
@@ -325,14 +279,6 @@ class Exchange:
         except RuntimeError:  # timed out, or the peer closed
             return None
         return -fewest, most
-
-    def discard_reduces(self, reduces: list[PendingReduce]) -> None:
-        """A failed pass's reduces: let them land (their buffers are in use until then)
-        and drop them. Every rank issued the same first stages (the ranks agreed on their
-        number) and so the same second stages, once those not started yet are."""
-        self.start_second_stages(reduces)
-        for pending in reduces:
-            pending.wait()
 
     def wait_replicas(self) -> None:
         """Wait for every in-flight replicate broadcast."""

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from enum import Enum, auto
 from typing import Protocol
 
@@ -72,6 +73,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torchtitan_dmuon.engine.boundary import BoundaryState, late_gradient, weak_grad_hook
 from torchtitan_dmuon.engine.exchange import Exchange, PendingReduce
 from torchtitan_dmuon.engine.others import OtherParams
+from torchtitan_dmuon.engine.reduce import BackwardReduce
 
 __all__ = [
     "CollectiveSequence",
@@ -182,8 +184,7 @@ class PassSettings(Protocol):
 
 class DrivenDedication(Protocol):
     """What the hooks drive (a :class:`~torchtitan_dmuon.engine.dedication.Dedication`):
-    its collectives, its switches, its first-forward binding and the end of a reduced
-    backward."""
+    its collectives, its switches and its first-forward binding."""
 
     exchange: Exchange
     others: OtherParams | None
@@ -193,22 +194,33 @@ class DrivenDedication(Protocol):
 
     def lazy_init(self) -> None: ...
 
-    def finish_reduces(self, reduces: list[PendingReduce]) -> None: ...
-
 
 class HookDriver:
     """The hooks of one dedication, the state of the current pass and the order in which
-    its boundaries (:class:`BoundaryState`) issue their collectives."""
+    its boundaries (:class:`BoundaryState`) issue their collectives: when, not how (a
+    backward's reduces are one :class:`~torchtitan_dmuon.engine.reduce.BackwardReduce`,
+    made by ``backward_reduce`` at its first).
 
-    def __init__(self, dedication: DrivenDedication, states: list[BoundaryState]) -> None:
+    Attributes:
+        synced_backwards: Backwards whose reduces finished since the count was last reset.
+    """
+
+    def __init__(
+        self,
+        dedication: DrivenDedication,
+        states: list[BoundaryState],
+        backward_reduce: Callable[[], BackwardReduce],
+    ) -> None:
         self.d = dedication
         self.exchange = dedication.exchange
         self.states = states
+        self._backward_reduce = backward_reduce
+        self._reduce: BackwardReduce | None = None  # this backward's, once it issued
+        self.synced_backwards = 0
         forward_order = list(range(len(states)))
         backward_order = forward_order[::-1]
         self.state = TrainingState.IDLE
         self._diverged = ""  # why, once DIVERGED
-        self._reduced: list[BoundaryState] = []  # in issue order, this backward
         # Calls of each boundary with a post-backward in the forwards since the driver was
         # last idle (reset by the root pre-forward), and how many of those post-backwards
         # ran in this backward.
@@ -266,28 +278,19 @@ class HookDriver:
             state.wait_gather()
 
     def _issue_reduce(self, b: int) -> None:
-        """Stage 1 of boundary ``b``'s reduces. Before it, the boundaries reduced earlier
-        but the last are released (two boundaries of buckets in flight at most, as FSDP2
-        keeps one reduce-scatter in flight) and, under HSDP, the last one's stage 2 is
-        issued: one boundary behind, in issue order on every replica, on the reduce
-        stream (so the compute stream never waits for it)."""
-        if self._reduced:
-            *released, last = self._reduced
-            self.exchange.release_reduces([p for s in released for p in s.reduces])
-            self.exchange.start_second_stages(last.reduces)
-        self.states[b].issue_reduce()
-        self._reduced.append(self.states[b])
-        if self.d.others is not None:
-            self.d.others.boundary_reduced(b)
+        if self._reduce is None:
+            self._reduce = self._backward_reduce()
+        self._reduce.issue(self.states[b])
 
     def pending_reduces(self) -> list[PendingReduce]:
         """The reduces issued in this backward, in issue order."""
-        return [p for state in self._reduced for p in state.reduces]
+        return self._reduce.pending if self._reduce is not None else []
 
-    def _take_reduces(self) -> list[PendingReduce]:
-        reduces = [p for state in self._reduced for p in state.take_reduces()]
-        self._reduced = []
-        return reduces
+    def _take_reduce(self) -> BackwardReduce:
+        """This backward's reduce (a new one where none issued: its end still syncs the
+        DDP-style parameters)."""
+        reduce, self._reduce = self._reduce, None
+        return reduce if reduce is not None else self._backward_reduce()
 
     def free_all(self) -> None:
         """Free every boundary's values outside the owner columns: after a step or a
@@ -417,8 +420,8 @@ class HookDriver:
         if self.d.requires_gradient_sync:
             self.reduce_sequence.finish()
             try:
-                with record_function("dmuon::finish_reduces"):
-                    self.d.finish_reduces(self._take_reduces())
+                self._take_reduce().finish()
+                self.synced_backwards += 1
             except RuntimeError as error:
                 raise self._diverge(
                     "a gradient reduce of this backward did not complete: a data-parallel "
@@ -440,8 +443,8 @@ class HookDriver:
             )
         self.reduce_sequence.reset()
         self.reduce_sequence.finish()
-        with record_function("dmuon::finish_reduces"):
-            self.d.finish_reduces(self._take_reduces())
+        self._take_reduce().finish()
+        self.synced_backwards += 1
         self.free_all()
 
     # ---- failure -------------------------------------------------------------------------
@@ -486,9 +489,7 @@ class HookDriver:
             failed,
         )
         self._wait_gathers()
-        self.exchange.discard_reduces(self._take_reduces())
-        if others is not None:
-            others.discard()
+        self._take_reduce().discard()
         self.free_all()
         self.state = TrainingState.IDLE
 
