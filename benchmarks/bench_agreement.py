@@ -39,7 +39,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from tests.dist import run_distributed  # noqa: E402
+from tests.support.dist import run_distributed  # noqa: E402
 
 MODELED_WORLDS = (8, 128, 1024)
 SHARD = 8
@@ -51,7 +51,7 @@ def agreement_worker(rank: int, world: int, hsdp: bool, calls: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from tests.models import make_model, proj_predicate
+    from tests.support.models import make_model, proj_predicate
     from torchtitan_dmuon import Muon, dedicate_params
 
     if hsdp:

@@ -6,9 +6,9 @@ its host syncs. Run through the lease's one entry:
     python benchmarks/gpu_lease.py engine --device cpu --out e.json   # a check without a GPU
 
 ``engine``: the tests' tiny transformer trained 4 steps with DMuon by
-``tests.workers.train_dmuon`` (the CPU suite's training loop) on CUDA tensors, each run
+``tests.support.workers.train_dmuon`` (the CPU suite's training loop) on CUDA tensors, each run
 compared with one-process ``torch.optim.Muon`` + ``torch.optim.AdamW`` on the same GPU
-(``tests.workers.train_reference``; losses and every trained parameter within the CPU
+(``tests.support.workers.train_reference``; losses and every trained parameter within the CPU
 suite's tolerances, ``loss_tolerance`` and ``trained_tolerance``):
 
 * over NCCL at world size 1, every collective path of the engine: FSDP2 Z3 and Z2, no
@@ -53,13 +53,13 @@ import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-import tests.workers as workers  # noqa: E402
+import tests.support.workers as workers  # noqa: E402
 import torchtitan_dmuon as dmuon  # noqa: E402
-from tests.dist import run_distributed  # noqa: E402
-from tests.models import loss_fn, make_model, proj_predicate  # noqa: E402
+from tests.support.dist import run_distributed  # noqa: E402
+from tests.support.models import loss_fn, make_model, proj_predicate  # noqa: E402
 
 STEPS = 4
-# World size 1 over NCCL: one process, every path (configs of tests.workers.train_dmuon).
+# World size 1 over NCCL: one process, every path (configs of tests.support.workers.train_dmuon).
 SOLO_CASES = {
     "fsdp_z3": {},
     "fsdp_z2": {"z3": False},

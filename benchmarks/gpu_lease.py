@@ -53,7 +53,7 @@ PROVIDED = [
 IMPORTS = [
     "torch", "triton", "torchtitan", "torchdata", "datasets", "tyro", "torchao",
     "torchtitan.train", "torchtitan.models.llama3", "torchtitan_dmuon",
-    "torchtitan_dmuon.titan.train", "tests.workers",
+    "torchtitan_dmuon.titan.train", "tests.support.workers",
 ]  # fmt: skip
 """What the steps import, checked one by one in the order a failure would show."""
 CHECKS = {

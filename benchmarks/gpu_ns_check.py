@@ -13,15 +13,15 @@ untimed run, ``bench_ns.time_ms``) and of its first call (Triton compiles and au
 there), its speed against torch, and its relative distance from the fp64 result. A backend
 passes within the mode's tolerance, the triton one only at most twice torch's own distance
 (Gram Newton-Schulz is less precise in bf16 by design), and in bf16 within the preset's
-singular-value band on the liftable directions (tests/test_newton_schulz.py); plus the exact
+singular-value band on the liftable directions (tests/optim/test_newton_schulz.py); plus the exact
 symmetry of the Triton Gram kernel. ``--suite correctness`` checks odd shapes, a batch and
 both presets instead, without timing. Writes ``ns.json`` under ``--out``, rewritten after
 each shape (a timeout keeps what ran); exits 1 when a check failed.
 
 ``--device cpu`` (with ``TRITON_INTERPRET=1``) runs the same code on small shapes, to check
 this script without a GPU. Where Triton's interpreter cannot run the kernels (triton 3.6
-with numpy 2.4: ``tests/interpreter.py``) the Triton cases are recorded as unsupported, not
-failed (the GPU compiles them; tests/test_triton_sm90.py compiles them for sm_90 on the CPU).
+with numpy 2.4: ``tests/support/interpreter.py``) the Triton cases are recorded as unsupported, not
+failed (the GPU compiles them; tests/tools/test_triton_sm90.py compiles them for sm_90 on the CPU).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_ns  # noqa: E402
 
-from tests.interpreter import interpreter_unsupported  # noqa: E402
+from tests.support.interpreter import interpreter_unsupported  # noqa: E402
 from torchtitan_dmuon.optim.newton_schulz import (  # noqa: E402
     newton_schulz,
     ns_flops,

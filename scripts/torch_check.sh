@@ -60,7 +60,7 @@ lease_rc=$?
 
 # TESTS: pytest's arguments (files or folders, options), all of them: a folder named here
 # beside files would collect the whole folder.
-read -r -a tests <<<"${TESTS:-tests --ignore-glob=tests/test_titan_* --ignore-glob=tests/test_bench_*}"
+read -r -a tests <<<"${TESTS:-tests --ignore=tests/titan --ignore-glob=tests/tools/test_bench_*}"
 log "pytest ${tests[*]} -> $out/pytest.log"
 "$PY" -m pytest -q -p no:cacheprovider "${tests[@]}" >"$out/pytest.log" 2>&1
 tests_rc=$?

@@ -1,6 +1,6 @@
 """Collectives of the ownership engine, with byte accounting.
 
-Every collective the package issues goes through here (tests/test_comm_routing.py scans
+Every collective the package issues goes through here (tests/engine/test_comm_routing.py scans
 the sources), so that the per-step figures a user sees (bytes broadcast and reduced,
 collective counts) are counted where they happen, and so that each tensor is checked to
 live on a device its group has a backend for before any rank starts the collective (an

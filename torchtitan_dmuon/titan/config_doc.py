@@ -7,7 +7,7 @@ code does not::
 
     python -m torchtitan_dmuon.titan.config_doc > docs/configuration.md
 
-``tests/test_config_doc.py`` checks that the committed page equals the generated one.
+``tests/titan/test_config_doc.py`` checks that the committed page equals the generated one.
 """
 
 from __future__ import annotations

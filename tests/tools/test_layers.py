@@ -1,0 +1,91 @@
+"""The package's three parts stay layered: ``optim`` (the math and the settings) imports
+neither ``torch.distributed`` nor the engine nor TorchTitan; ``engine`` (ownership) does
+not import TorchTitan or the adapter; and no module imports another that imports it back,
+counting every import: module level, under ``TYPE_CHECKING`` and inside functions."""
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "torchtitan_dmuon"
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports() -> dict[str, set[str]]:
+    """Every module of the package and the modules (of anything) it imports; ``from P
+    import name`` counts ``P.name`` when that is a module of the package."""
+    modules = {_module(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        named = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                named.add(node.module)
+                named |= {f"{node.module}.{a.name}" for a in node.names} & modules.keys()
+            elif isinstance(node, ast.Import):
+                named |= {a.name for a in node.names}
+        graph[name] = named - {name}
+    return graph
+
+
+def _violations(part: str, forbidden: tuple[str, ...]) -> list[str]:
+    return [
+        f"{module} imports {target}"
+        for module, targets in sorted(_imports().items())
+        if module == f"torchtitan_dmuon.{part}" or module.startswith(f"torchtitan_dmuon.{part}.")
+        for target in sorted(targets)
+        if target.startswith(forbidden)
+    ]
+
+
+def test_the_math_imports_no_distributed_engine_or_torchtitan():
+    forbidden = (
+        "torch.distributed",
+        "torchtitan.",
+        "torchtitan_dmuon.engine",
+        "torchtitan_dmuon.titan",
+        "torchtitan_dmuon.optimizer",
+    )
+    assert _violations("optim", forbidden) == []
+
+
+def test_the_engine_imports_no_torchtitan_or_adapter():
+    forbidden = ("torchtitan.", "torchtitan_dmuon.titan", "torchtitan_dmuon.optimizer")
+    assert _violations("engine", forbidden) == []
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    graph = _imports()
+    # A package's __init__ re-exports its modules: an import of the package is not a
+    # dependency of the modules it holds on it.
+    inside = {
+        m: {t for t in ts if t in graph and not m.startswith(f"{t}.")} for m, ts in graph.items()
+    }
+    order, visiting = [], set()
+
+    def visit(name: str, path: list[str]) -> None:
+        if name in order:
+            return
+        assert name not in visiting, f"import circle: {' -> '.join(path + [name])}"
+        visiting.add(name)
+        for dep in sorted(inside[name]):
+            visit(dep, path + [name])
+        visiting.discard(name)
+        order.append(name)
+
+    for name in sorted(inside):
+        visit(name, [])
+
+
+def test_the_package_muon_only_picks_the_matrix_set():
+    """``torchtitan_dmuon.Muon`` is the math's ``Muon`` given its model's matrix set: it
+    adds a constructor and no step, state or QK-clip of its own (those are optim's)."""
+    import torchtitan_dmuon
+    from torchtitan_dmuon.optim import optimizer
+
+    added = set(vars(torchtitan_dmuon.Muon)) - {"__init__", "__doc__", "__module__"}
+    assert added <= {"__qualname__", "__firstlineno__", "__static_attributes__"}, added
+    assert torchtitan_dmuon.Muon.__mro__[1] is optimizer.Muon
