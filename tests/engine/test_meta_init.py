@@ -30,7 +30,7 @@ from tests.support.models import (
 )
 from tests.support.workers import train_configs
 from torchtitan_dmuon import dedicate_params, get_dedication, get_full_param, materialize
-from torchtitan_dmuon.engine.meta_init import initializing, to_empty
+from torchtitan_dmuon.engine.meta_init import initializing, split_names, to_empty, unheld_names
 
 SEED = 1234
 
@@ -137,8 +137,8 @@ def start_worker(rank, world, layouts):
         torch.manual_seed(SEED)
         materialize(planned, "cpu", lambda planned=planned: init_weights(planned))
         planned_rng = torch.get_rng_state()
-        unheld = set(dedication.unheld_names())
-        split = set(dedication.split_names())
+        unheld = set(unheld_names(dedication))
+        split = set(split_names(dedication))
         params = {d.name: planned.get_parameter(d.name) for d in dedication.plan.params}
         storage = {name: _storage_bytes(p) for name, p in params.items()}
         local_bytes = {

@@ -5,18 +5,17 @@ one :class:`~torchtitan_dmuon.engine.unit.Unit` per (boundary, owner slot) (stor
 gradients), the :class:`~torchtitan_dmuon.engine.hooks.HookDriver` (the per-pass state),
 the :class:`~torchtitan_dmuon.engine.exchange.Exchange` (the engine's own process groups and
 the collectives over them) and the :class:`~torchtitan_dmuon.engine.others.OtherParams`
-(what no ``fully_shard`` covers, kept in sync DDP-style). The optimizer talks to it through
-the step protocol: :meth:`owned_grads`, :meth:`before_step`, :meth:`after_step`,
-:meth:`zero_grad`; it also reports the balance of the plan and the Newton-Schulz workload
-of this rank. Its :class:`DedicationSettings` are given once at ``dedicate_params`` and
-frozen.
+(what no ``fully_shard`` covers, kept in sync DDP-style). The step protocol around it is
+``engine/owned.py``'s (``OwnedMatrices``, which reads :meth:`owned_grads`); the
+checkpoint's geometry of split stacks is ``engine/checkpoint_geometry.py``'s; starting at
+the plan's size is ``engine/meta_init.py``'s. Its :class:`DedicationSettings` are given
+once at ``dedicate_params`` and frozen.
 
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import weakref
 from dataclasses import dataclass
@@ -25,7 +24,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.profiler import record_function
 
 from torchtitan_dmuon.engine import comm, fsdp
 from torchtitan_dmuon.engine.boundary import BoundaryState
@@ -34,7 +32,6 @@ from torchtitan_dmuon.engine.hooks import HookDriver
 from torchtitan_dmuon.engine.others import OtherParams
 from torchtitan_dmuon.engine.param_layout import (
     ParamLayout,
-    PieceShard,
 )
 from torchtitan_dmuon.engine.plan import (
     Boundary,
@@ -46,7 +43,6 @@ from torchtitan_dmuon.engine.plan import (
 )
 from torchtitan_dmuon.engine.reduce import BackwardReduce
 from torchtitan_dmuon.engine.unit import Unit, bind_boundary, unit_dtypes
-from torchtitan_dmuon.optim.newton_schulz import matrix_count
 
 __all__ = [
     "Dedication",
@@ -55,6 +51,7 @@ __all__ = [
     "dedication_of",
     "get_dedication",
     "held_dtypes",
+    "piece_key",
 ]
 
 logger = logging.getLogger(__name__)
@@ -138,6 +135,11 @@ def held_dtypes(model: nn.Module, boundary: Boundary) -> HeldDtypes:
     return HeldDtypes(
         values=boundary_dtypes(model, boundary)[0], master=boundary.units[0].params[0].param.dtype
     )
+
+
+def piece_key(d: DedicatedParam) -> tuple:
+    """What tells one matrix or piece of a dedicated parameter from the others."""
+    return d.name, d.layout.experts, d.layout.block
 
 
 class Dedication:
@@ -252,28 +254,8 @@ class Dedication:
         self._layouts = {id(d.param): d.layout for d in self.plan.params}
         self.driver.bind_params()
 
-    def unheld_names(self) -> list[str]:
-        """The dedicated parameters of which this rank holds nothing between steps (no
-        unit of theirs is in its column): it never reads their values, only gathers them."""
-        held = {d.name for u in self.units if u.holds for d in u.params}
-        names = dict.fromkeys(d.name for d in self.plan.params)  # a split stack's once
-        return [name for name in names if name not in held]
-
-    def split_names(self) -> list[str]:
-        """The dedicated parameters split among owners (stacks of experts in pieces, an
-        owner group's matrices in blocks): no rank holds one whole between steps."""
-        return list(dict.fromkeys(d.name for d in self.plan.params if d.layout.is_piece))
-
-    def held_pieces(self, name: str) -> list[DedicatedParam]:
-        """This rank's pieces of the split parameter ``name`` (of the units it holds)."""
-        return [d for u in self.units if u.holds for d in u.params if d.name == name]
-
-    @staticmethod
-    def piece_key(d: DedicatedParam) -> tuple:
-        return d.name, d.layout.experts, d.layout.block
-
     def _start_value(self, d: DedicatedParam) -> torch.Tensor:
-        kept = self.start_pieces.pop(self.piece_key(d), None)
+        kept = self.start_pieces.pop(piece_key(d), None)
         return kept if kept is not None else d.layout.value(d.param)
 
     def lazy_init(self) -> None:
@@ -393,33 +375,6 @@ class Dedication:
         self.driver.reset_iter_state()
         fsdp.reset_fsdp_state(self.model)
 
-    def before_step(self) -> None:
-        self.driver.raise_if_diverged()
-        if not self.initialized or self.synced_backwards == 0:
-            if self.pipeline_stage is not None:
-                raise RuntimeError(
-                    f"Muon.step() was called but pipeline stage {self.pipeline_stage} has not "
-                    "reduced its gradients since the last step: its schedule ran no backward "
-                    "marked last_backward (the stage's last full or weight backward of the "
-                    "step), which DMuon reduces after"
-                )
-            raise RuntimeError(
-                "Muon.step() was called before any backward (with gradient sync enabled) "
-                "since the last step: the dedicated gradients are not reduced to owners yet"
-            )
-        self.wait_replicas()  # a step without a forward since the last one
-
-    def after_step(self) -> None:
-        """Primaries copy updated masters into the compute-dtype values; under HSDP the new
-        values go to the other replicas (asynchronously with ``replicate_async``)."""
-        with record_function("dmuon::after_step"):
-            for unit in self.units:
-                unit.masters_to_flat()
-            if self.exchange.replicas is not None:
-                self.exchange.replicas.broadcast(self.units, async_op=self.settings.replicate_async)
-        self.driver.free_all()  # whatever a rank outside the owner column holds is stale now
-        self.synced_backwards = 0
-
     @torch.no_grad()
     def refresh_from_masters(self) -> None:
         """After the primaries' masters were overwritten (a checkpoint load): recompute the
@@ -484,60 +439,6 @@ class Dedication:
                 self.plan.replicate_size, self.plan.shard_size,
                 self.balance(1), self.balance(0), self.balance(),
             )  # fmt: skip
-
-    def ns_workload(
-        self, backend: str, dtype: torch.dtype, steps: int
-    ) -> dict[tuple[int, int], list[int]]:
-        """Per ``(rows, cols)``, the matrices of each parameter (1, or a stack's count)
-        that ``backend`` orthogonalizes on this rank each step, in the order of
-        :meth:`owned_grads`: those of which it is the primary owner, whole, and the
-        tensor-parallel matrices its owner column gathers (the Gram path runs no backend)."""
-        out: dict[tuple[int, int], list[int]] = {}
-        tensor_parallel = self.exchange.tp_group is not None
-        for unit in self.units:
-            if not unit.primary:
-                continue
-            for d in unit.params:
-                if tensor_parallel and d.layout.tp_ns_method(backend, dtype, steps) == "gram":
-                    continue
-                if d.layout.block is not None:  # an owner group's own iteration
-                    continue
-                shape = d.layout.shape  # whole matrices (a piece's)
-                key = (int(shape[-2]), int(shape[-1]))
-                out.setdefault(key, []).append(matrix_count(shape))
-        return out
-
-    def piece_shards(self, name: str) -> list[PieceShard]:
-        """``(offsets, sizes, global rank of the primary owner)`` of every piece of the
-        split stack ``name`` in the whole stack: under expert parallelism the pieces of
-        every ``ep`` rank's local experts, and under expert tensor parallelism each
-        piece's shards (needs ``verify_plan``, which ``Muon`` runs)."""
-        if self.slot_ranks is None:
-            raise RuntimeError(
-                "the owners' global ranks are not known yet: build the Muon optimizer on "
-                "the model first (it verifies the plan across ranks)"
-            )
-        shards = []
-        for u in self.plan.units:
-            domain = self.plan.domains[u.domain]
-            slot = u.primary_replica * domain.shard_size + u.column
-            owner = functools.partial(self._owner_rank, u.domain, slot)
-            for d in u.params:
-                if d.name == name:
-                    shards += d.layout.piece_shards(owner)
-        return sorted(shards)
-
-    def _owner_rank(self, domain: int, slot: int, ep_rank: int, etp_rank: int) -> int:
-        """The global rank of the owner in ``slot`` of a plan domain (the experts': of
-        the local experts of ``ep_rank``, expert tensor-parallel shard ``etp_rank``)."""
-        if domain == 0:
-            return self.slot_ranks[slot]
-        if self.expert_owner_ranks is None:
-            raise RuntimeError(
-                "the split expert stacks' owners are not known under the fake backend (a "
-                "dry run gathers nothing): their checkpoints need a real process group"
-            )
-        return self.expert_owner_ranks[ep_rank, slot, etp_rank]
 
     def on_remove(self, undo) -> None:
         """Call ``undo()`` in :meth:`remove` (what attached to the dedication from outside,

@@ -33,13 +33,33 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from torchtitan_dmuon.engine.dedication import dedication_of
+from torchtitan_dmuon.engine.dedication import Dedication, dedication_of, piece_key
 from torchtitan_dmuon.engine.param_layout import like_param, local_tensor
+from torchtitan_dmuon.engine.plan import DedicatedParam
 from torchtitan_dmuon.engine.unit import freed_tensor
 
-__all__ = ["initializing", "materialize", "to_empty"]
+__all__ = ["initializing", "materialize", "split_names", "to_empty", "unheld_names"]
 
 logger = logging.getLogger(__name__)
+
+
+def unheld_names(dedication: Dedication) -> list[str]:
+    """The dedicated parameters of which this rank holds nothing between steps (no unit of
+    theirs is in its column): it never reads their values, only gathers them."""
+    held = {d.name for u in dedication.units if u.holds for d in u.params}
+    names = dict.fromkeys(d.name for d in dedication.plan.params)  # a split stack's once
+    return [name for name in names if name not in held]
+
+
+def split_names(dedication: Dedication) -> list[str]:
+    """The dedicated parameters split among owners (stacks of experts in pieces, an owner
+    group's matrices in blocks): no rank holds one whole between steps."""
+    return list(dict.fromkeys(d.name for d in dedication.plan.params if d.layout.is_piece))
+
+
+def _held_pieces(dedication: Dedication, name: str) -> list[DedicatedParam]:
+    """This rank's pieces of the split parameter ``name`` (of the units it holds)."""
+    return [d for u in dedication.units if u.holds for d in u.params if d.name == name]
 
 
 def _module_and_leaf(model: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -59,7 +79,7 @@ def to_empty(model: nn.Module, *, device: torch.device | str) -> None:
     if dedication.initialized:
         raise RuntimeError("to_empty: the dedicated model has run a forward already")
     # Those not held here, and the split ones (this rank keeps its pieces only).
-    names = dict.fromkeys([*dedication.unheld_names(), *dedication.split_names()])
+    names = dict.fromkeys([*unheld_names(dedication), *split_names(dedication)])
     unheld = {name: model.get_parameter(name) for name in names}
     slots = [(*_module_and_leaf(model, name), param) for name, param in unheld.items()]
     try:
@@ -179,18 +199,18 @@ def initializing(model: nn.Module) -> Iterator[None]:
     dedicated = {id(model.get_parameter(d.name)): d.name for d in dedication.plan.params}
 
     def keep_pieces(name: str, scratch: torch.Tensor) -> None:
-        for d in dedication.held_pieces(name):
+        for d in _held_pieces(dedication, name):
             piece = d.layout.select(local_tensor(scratch))
-            dedication.start_pieces[dedication.piece_key(d)] = piece.clone()
+            dedication.start_pieces[piece_key(d)] = piece.clone()
 
     mode = _ScratchMode(unheld, dedicated, device, keep_pieces)
     with mode:
         yield
     mode.finish()
-    for name in dedication.split_names():  # not initialized: as uninitialized as to_empty's
-        for d in dedication.held_pieces(name):
+    for name in split_names(dedication):  # not initialized: as uninitialized as to_empty's
+        for d in _held_pieces(dedication, name):
             empty = torch.empty(d.layout.local_shape, dtype=d.param.dtype, device=device)
-            dedication.start_pieces.setdefault(dedication.piece_key(d), empty)
+            dedication.start_pieces.setdefault(piece_key(d), empty)
     for name, param in unheld.items():
         module, leaf = _module_and_leaf(model, name)
         local = local_tensor(param)

@@ -30,6 +30,7 @@ from torchtitan_dmuon.engine.verification import verify_plan
 from torchtitan_dmuon.optim.config import MuonConfig
 from torchtitan_dmuon.optim.matrices import MuonStepError
 from torchtitan_dmuon.optim.muon import MatrixGroup, NSFunction
+from torchtitan_dmuon.optim.newton_schulz import matrix_count
 from torchtitan_dmuon.optim.ns_choice import NSChoice
 from torchtitan_dmuon.optim.qk_clip import QKClip
 
@@ -143,7 +144,23 @@ class OwnedMatrices:
         return {d.name for d in self.dedication.plan.params if d.layout.block_dim == 0}
 
     def ns_workload(self, backend: str, dtype: torch.dtype, steps: int) -> dict:
-        return self.dedication.ns_workload(backend, dtype, steps)
+        """Per ``(rows, cols)``, the matrices of each parameter (1, or a stack's count)
+        that ``backend`` orthogonalizes on this rank each step, in the order of
+        ``owned_grads``: those of which it is the primary owner, whole, and the
+        tensor-parallel matrices its owner column gathers (the Gram path runs no backend)."""
+        out: dict[tuple[int, int], list[int]] = {}
+        tensor_parallel = self.dedication.exchange.tp_group is not None
+        for unit in self.dedication.units:
+            if not unit.primary:
+                continue
+            for d in unit.params:
+                if tensor_parallel and d.layout.tp_ns_method(backend, dtype, steps) == "gram":
+                    continue
+                if d.layout.block is not None:  # an owner group's own iteration
+                    continue
+                shape = d.layout.shape  # whole matrices (a piece's)
+                out.setdefault((int(shape[-2]), int(shape[-1])), []).append(matrix_count(shape))
+        return out
 
     def divide_grads(self, divisor: torch.Tensor | float) -> None:
         self.dedication.divide_owned_grads(divisor)
@@ -163,7 +180,26 @@ class OwnedMatrices:
                 "this step, or zero_grad() to drop them"
                 + (f": {type(error).__name__}: {error}" if error is not None else "")
             ) from error
-        self.dedication.before_step()
+        self._check_reduced()
+        self.dedication.wait_replicas()  # a step without a forward since the last one
+
+    def _check_reduced(self) -> None:
+        """A step needs the gradients of a synced backward (or a pipeline stage's last)."""
+        dedication = self.dedication
+        dedication.driver.raise_if_diverged()
+        if dedication.initialized and dedication.synced_backwards > 0:
+            return
+        if dedication.pipeline_stage is not None:
+            raise RuntimeError(
+                f"Muon.step() was called but pipeline stage {dedication.pipeline_stage} has "
+                "not reduced its gradients since the last step: its schedule ran no backward "
+                "marked last_backward (the stage's last full or weight backward of the "
+                "step), which DMuon reduces after"
+            )
+        raise RuntimeError(
+            "Muon.step() was called before any backward (with gradient sync enabled) "
+            "since the last step: the dedicated gradients are not reduced to owners yet"
+        )
 
     def step_phases(self, ns: NSChoice) -> list[list[MatrixGroup]]:
         """Those stepped alone first, then the blocks of owner groups' matrices by block
@@ -314,8 +350,19 @@ class OwnedMatrices:
             ).wait()
 
     def end_step(self) -> None:
-        synced = self.dedication.synced_backwards
-        self.dedication.after_step()
+        """The primaries copy their updated masters into the compute-dtype values; under
+        HSDP the new values go to the other replicas (asynchronously with
+        ``replicate_async``); the step's verdict starts its way to the host."""
+        dedication = self.dedication
+        synced = dedication.synced_backwards
+        with record_function("dmuon::after_step"):
+            for unit in dedication.units:
+                unit.masters_to_flat()
+            replicas = dedication.exchange.replicas
+            if replicas is not None:
+                replicas.broadcast(dedication.units, async_op=dedication.settings.replicate_async)
+        dedication.driver.free_all()  # whatever a rank outside the owner column holds is stale
+        dedication.synced_backwards = 0
         flags, ready = self._flags, None
         if flags.device.type != "cpu":  # copied to the host behind the step's own work
             host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)

@@ -43,6 +43,7 @@ from torchtitan.components.checkpoint import OPTIMIZER, ModelWrapper
 from torchtitan.components.lr_scheduler import LRSchedulersContainer
 
 from torchtitan_dmuon.engine import Dedication, comm, get_dedication
+from torchtitan_dmuon.engine.checkpoint_geometry import piece_shards
 from torchtitan_dmuon.engine.plan import DedicatedParam
 from torchtitan_dmuon.optim.muon import SECOND_MOMENT
 from torchtitan_dmuon.optim.normuon import second_moment_shape
@@ -95,7 +96,7 @@ def as_saved(
     """
     param = entry.param
     shape = second_moment_shape(param.shape) if per_row else param.shape
-    shards = functools.partial(dedication.piece_shards, entry.name)
+    shards = functools.partial(piece_shards, dedication, entry.name)
     return entry.layout.saved(param, local, shape, shards, per_row)
 
 
@@ -117,7 +118,7 @@ def load_state_into(
         load_into(target, loaded)
         return
     mine = loaded.local_shards()[0].tensor
-    owners = layout.row_block_owners(dedication.piece_shards(entry.name))
+    owners = layout.row_block_owners(piece_shards(dedication, entry.name))
     for part, owner in enumerate(owners):
         start, stop = layout.row_block(target.shape[-2], part)
         block = (
