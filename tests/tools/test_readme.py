@@ -136,7 +136,7 @@ def test_guide_snippet_trains_like_one_process(name, snippet_runs):
 
 def test_cluster_guide_commands_are_tested_or_need_a_gpu():
     """Every command of docs/cluster.md's cluster guide either names the test that runs it
-    (``# tested: tests/FILE::TEST``, and that test exists) or says it needs a GPU."""
+    (``# tested: tests/LAYER/FILE::TEST``, and that test exists) or says it needs a GPU."""
     page = (ROOT / "docs" / "cluster.md").read_text()
     guide = page.split("## From a laptop to a cluster", 1)[1].split("\n## ", 1)[0]
     commands = [
@@ -147,7 +147,7 @@ def test_cluster_guide_commands_are_tested_or_need_a_gpu():
     ]
     assert len(commands) >= 8
     for command in commands:
-        tested = re.search(r"# .*tested: (tests/\w+\.py)::(\w+)", command)
+        tested = re.search(r"# .*tested: (tests/[\w/]+\.py)::(\w+)", command)
         assert tested or "# needs a GPU" in command, command
         if tested:
             path, name = tested.groups()
