@@ -34,7 +34,6 @@ from torchtitan_dmuon.engine.param_layout import (
     ParamLayout,
 )
 from torchtitan_dmuon.engine.plan import (
-    Boundary,
     DedicatedParam,
     HeldDtypes,
     Plan,
@@ -42,15 +41,13 @@ from torchtitan_dmuon.engine.plan import (
     max_over_mean,
 )
 from torchtitan_dmuon.engine.reduce import BackwardReduce
-from torchtitan_dmuon.engine.unit import Unit, bind_boundary, unit_dtypes
+from torchtitan_dmuon.engine.unit import Unit, bind_boundary
 
 __all__ = [
     "Dedication",
     "DedicationSettings",
-    "boundary_dtypes",
     "dedication_of",
     "get_dedication",
-    "held_dtypes",
     "piece_key",
 ]
 
@@ -122,21 +119,6 @@ def dedication_of(model: nn.Module) -> Dedication:
     return dedication
 
 
-def boundary_dtypes(model: nn.Module, boundary: Boundary) -> tuple[torch.dtype, torch.dtype]:
-    """``(values, reduce)`` dtypes of a boundary's units under the ``fully_shard`` call that
-    covers it, as :meth:`Unit.bind` picks them."""
-    master = boundary.units[0].params[0].param.dtype
-    return unit_dtypes(master, *fsdp.mixed_precision_of(model, boundary.name))
-
-
-def held_dtypes(model: nn.Module, boundary: Boundary) -> HeldDtypes:
-    """The dtypes a boundary's dedicated matrices are kept in (see :meth:`Plan.held`), read
-    before the units bind (then a parameter is a view in the compute dtype)."""
-    return HeldDtypes(
-        values=boundary_dtypes(model, boundary)[0], master=boundary.units[0].params[0].param.dtype
-    )
-
-
 def piece_key(d: DedicatedParam) -> tuple:
     """What tells one matrix or piece of a dedicated parameter from the others."""
     return d.name, d.layout.experts, d.layout.block
@@ -198,7 +180,6 @@ class Dedication:
         self.slot_ranks: list[int] | None = None
         self.expert_owner_ranks: dict[tuple[int, int, int], int] | None = None
         self.initialized = False
-        self._held_dtypes: dict[str, HeldDtypes] = {}  # by boundary, read at lazy_init
         # Between ``materialize.to_empty`` and the end of ``materialize.initializing``:
         # (device, the unheld matrices left on the meta device, by name).
         self.awaiting_init: tuple[torch.device, dict[str, nn.Parameter]] | None = None
@@ -273,8 +254,6 @@ class Dedication:
                 "initialized: run its initialization inside initializing(model) first"
             )
         self.bind_params()
-        # Before binding: a bound parameter is a view in the compute dtype.
-        self._held_dtypes = {b.name: held_dtypes(self.model, b) for b in self.plan.boundaries}
         for boundary, units in zip(self.plan.boundaries, self.boundary_units, strict=True):
             dtypes = fsdp.mixed_precision_of(self.model, boundary.name)
             bind_boundary(units, *dtypes, self._start_value)
@@ -406,8 +385,15 @@ class Dedication:
 
     def held_bytes(self) -> list[int]:
         """Bytes each rank (slot order) keeps between steps for dedicated matrices
-        (values, masters and momentum), from the plan and each boundary's dtypes."""
-        return self.plan.held_bytes(lambda boundary: self._held_dtypes[boundary.name])
+        (values, masters and momentum), from the plan and each boundary's dtypes as its
+        units bound them (once initialized)."""
+        dtypes = {
+            boundary.name: HeldDtypes(
+                values=units[0].buffers[0].dtype, master=units[0].master_dtype
+            )
+            for boundary, units in zip(self.plan.boundaries, self.boundary_units, strict=True)
+        }
+        return self.plan.held_bytes(lambda boundary: dtypes[boundary.name])
 
     def _log_balance(self) -> None:
         held = self.held_bytes()

@@ -286,6 +286,11 @@ class HookDriver:
         """The reduces issued in this backward, in issue order."""
         return self._reduce.pending if self._reduce is not None else []
 
+    def _finish_reduce(self) -> None:
+        """End this backward's reduce: the owners hold their reduced gradients."""
+        self._take_reduce().finish()
+        self.synced_backwards += 1
+
     def _take_reduce(self) -> BackwardReduce:
         """This backward's reduce (a new one where none issued: its end still syncs the
         DDP-style parameters)."""
@@ -420,8 +425,7 @@ class HookDriver:
         if self.d.requires_gradient_sync:
             self.reduce_sequence.finish()
             try:
-                self._take_reduce().finish()
-                self.synced_backwards += 1
+                self._finish_reduce()
             except RuntimeError as error:
                 raise self._diverge(
                     "a gradient reduce of this backward did not complete: a data-parallel "
@@ -443,8 +447,7 @@ class HookDriver:
             )
         self.reduce_sequence.reset()
         self.reduce_sequence.finish()
-        self._take_reduce().finish()
-        self.synced_backwards += 1
+        self._finish_reduce()
         self.free_all()
 
     # ---- failure -------------------------------------------------------------------------

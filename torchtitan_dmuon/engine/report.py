@@ -32,15 +32,11 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from torchtitan_dmuon.engine import fsdp
-from torchtitan_dmuon.engine.dedication import (
-    Dedication,
-    boundary_dtypes,
-    dedication_of,
-    held_dtypes,
-)
+from torchtitan_dmuon.engine.dedication import Dedication, dedication_of
 from torchtitan_dmuon.engine.others import bucket_params
 from torchtitan_dmuon.engine.param_layout import local_tensor
-from torchtitan_dmuon.engine.plan import max_over_mean
+from torchtitan_dmuon.engine.plan import Boundary, HeldDtypes, max_over_mean
+from torchtitan_dmuon.engine.unit import unit_dtypes
 from torchtitan_dmuon.optim.newton_schulz import matrix_count
 from torchtitan_dmuon.optim.sharded_ns import split_ns_bytes
 
@@ -187,11 +183,11 @@ def plan_report(model: nn.Module, counts: StepCounts) -> PlanReport:
     z3 = dedication.settings.reshard_after_forward
     last = len(plan.boundaries) - 1
     everyone = Counter()  # what every rank's shard groups move for the dedicated matrices
-    held = plan.held(functools.partial(held_dtypes, model), normuon=counts.normuon)
+    held = plan.held(functools.partial(_held_dtypes, model), normuon=counts.normuon)
     for rank, kinds in zip(ranks, held, strict=True):
         rank.held.update(kinds)
     for index, boundary in enumerate(plan.boundaries):
-        value_dtype, reduce_dtype = boundary_dtypes(model, boundary)
+        value_dtype, reduce_dtype = _boundary_dtypes(model, boundary)
         gathers = counts.micro_batches * (2 if z3 and index != last else 1)
         for unit in boundary.units:
             values = unit.numel * value_dtype.itemsize
@@ -222,6 +218,20 @@ def plan_report(model: nn.Module, counts: StepCounts) -> PlanReport:
         sum(d.layout.matrices for d in plan.params),
         counts,
     )
+
+
+def _boundary_dtypes(model: nn.Module, boundary: Boundary) -> tuple[torch.dtype, torch.dtype]:
+    """``(values, reduce)`` dtypes of a boundary's units under the ``fully_shard`` call that
+    covers it, as :meth:`Unit.bind` picks them."""
+    master = boundary.units[0].params[0].param.dtype
+    return unit_dtypes(master, *fsdp.mixed_precision_of(model, boundary.name))
+
+
+def _held_dtypes(model: nn.Module, boundary: Boundary) -> HeldDtypes:
+    """The dtypes a boundary's dedicated matrices will be kept in (see :meth:`Plan.held`),
+    before its units bind (then a parameter is a view in the compute dtype)."""
+    master = boundary.units[0].params[0].param.dtype
+    return HeldDtypes(values=_boundary_dtypes(model, boundary)[0], master=master)
 
 
 def _other_params_traffic(model: nn.Module, dedication: Dedication, counts: StepCounts) -> Counter:
