@@ -34,9 +34,11 @@ HSDP 2 x N/2), DMuon beside the reference design (X-Square-Robot/dmuon, imported
 ``DIR``, run on CPU by the patches of ``benchmarks/reference.py``) with the same math:
 fp32 Newton-Schulz with the quintic coefficients, Nesterov, updates scaled by
 ``0.2 sqrt(max(rows, cols))`` at the AdamW learning rate, AdamW without decay for the
-rest. After the timed rounds every parameter of each pair is compared (the largest
-difference must stay below 1e-4), and a third table gives each side's optimizer step,
-forward+backward and step, and DMuon's over the reference's. Without the reference it
+rest, and under HSDP the new values sent to the other replica behind the next forward
+(the reference's default, DMuon's ``replicate_async``). After the timed rounds every
+parameter of each pair is compared (the largest difference must stay below 1e-4), and a
+third table gives each side's optimizer step, forward+backward and step, and DMuon's over
+the reference's. Without the reference it
 says why and runs nothing.
 """
 
@@ -180,6 +182,9 @@ def _build_side(mode: str, layout: str, model, world: int, device, reference):
         adjust_lr_fn=SIDE_ADJUST_LR_FN,
         adamw_lr=ADAMW_LR,
         adamw_betas=ADAMW_BETAS,
+        # The reference's default (replicate_async=True): under HSDP both sides send the
+        # new values to the other replica behind the next forward, not inside the step.
+        replicate_async=layout == "hsdp",
     )
 
 

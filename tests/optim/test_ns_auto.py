@@ -1,6 +1,7 @@
 """``ns_backend="auto"`` and ``ns_dtype="auto"``: measured choices, cached on disk, agreed
 by every rank of a job."""
 
+import copy
 import json
 import logging
 import os
@@ -16,6 +17,7 @@ from tests.support.dist import run_distributed
 from tests.support.interpreter import interpreter_unsupported
 from tests.support.models import TokenModel, batch, loss_fn, make_model, proj_predicate
 from tests.support.ns_verdict import other_verdict
+from tests.support.workers import ADAMW_KW, REFERENCE_ADAMW_KW, as_muon_adamw_kwargs
 from torchtitan_dmuon import Muon, MuonConfig, dedicate_params
 from torchtitan_dmuon.optim import muon, ns_backends, ns_cache, ns_choice
 from torchtitan_dmuon.optim.newton_schulz import newton_schulz, resolve_ns_schedule
@@ -487,3 +489,119 @@ def test_auto_times_exactly_the_capped_batches_the_step_runs(monkeypatch):
     opt.step()
     assert sorted(ran) == sorted(expected)
     assert opt.ns.backend_report.measured == 4 and opt.ns.backend_report.cached == 0
+
+
+@pytest.mark.parametrize(
+    "alone_ms, other_rank, expected",
+    [
+        (3.0, None, {(64, 96)}),  # alone 3 ms a matrix against 4 batched
+        (3.95, None, set()),  # within the margin: batched
+        (5.0, None, set()),
+        (3.0, (12.0, 24.0), set()),  # a peer with more matrices finds batching faster
+        (3.0, (12.0, 9.0), {(64, 96)}),
+    ],
+)
+def test_cpu_batching_is_measured_per_cache_sized_shape_and_agreed(
+    monkeypatch, alone_ms, other_rank, expected, caplog
+):
+    """On CPU a shape whose parameters the step batches runs one at a time where one
+    matrix costs clearly less than a matrix of a short batch, summed over the ranks (each
+    rank's cost weighted by the matrices it would batch); shapes too small to time, too
+    large to sit in a core's cache, or never batched are not measured and stay batched."""
+    measured = []
+
+    def batching_ms(ns, shape, device):
+        measured.append(shape)
+        return 4.0, alone_ms
+
+    monkeypatch.setattr(ns_choice, "batching_ms", batching_ms)
+    big = (512, 1024)  # 512K elements: beyond the cache-sized cap
+    workload = {(64, 96): [1, 2, 1], (96, 64): [1], (8, 8): [1, 1], big: [1, 1]}
+    gathered = []
+
+    def gather(mine):
+        gathered.append(mine)
+        others = [{(64, 96): other_rank}] if other_rank is not None else []
+        return [mine, *others]
+
+    config = MuonConfig(ns_dtype="float32")
+    with caplog.at_level(logging.INFO, logger=ns_choice.__name__):
+        choice = ns_choice.choose_ns(config, torch.device("cpu"), lambda dtype: workload, gather)
+    assert measured == [(4, 64, 96)]
+    assert gathered == [{(64, 96): (4 * 4.0, 4 * alone_ms)}]  # 4 matrices batched together
+    assert choice.unbatched == expected
+    (line,) = [r.getMessage() for r in caplog.records if "batching" in r.getMessage()]
+    assert ("unbatched" in line) == bool(expected)
+    assert f"over {1 if other_rank is None else 2} rank(s)" in line
+
+
+def test_batching_is_timed_both_ways_on_the_same_matrices():
+    """The probe runs the stack batched and its matrices one at a time, per matrix."""
+    calls = []
+
+    def ns(x):
+        calls.append(tuple(x.shape))
+        return x
+
+    batched_ms, alone_ms = ns_choice.batching_ms(ns, (3, 64, 96), torch.device("cpu"))
+    assert batched_ms > 0 and alone_ms > 0
+    rounds = 1 + ns_choice._BATCHING_REPEATS
+    assert calls == rounds * [(3, 64, 96), (64, 96), (64, 96), (64, 96)]
+
+
+def test_no_measurement_or_gather_off_the_cpu(monkeypatch):
+    """Elsewhere batching saves kernel launches: nothing is timed and no rank gathers."""
+    monkeypatch.setattr(ns_choice, "batching_ms", lambda *a, **k: pytest.fail("timed"))
+    choice = ns_choice.choose_ns(
+        MuonConfig(ns_dtype="float32"),
+        torch.device("meta"),
+        lambda dtype: {(64, 96): [1, 1]},
+        lambda mine: pytest.fail("gathered"),
+    )
+    assert choice.unbatched == frozenset()
+
+
+def test_unbatched_shapes_step_one_matrix_at_a_time_bit_equal_to_torch_muon(monkeypatch):
+    """Where one at a time was measured faster, each parameter of the shape runs its own
+    Newton-Schulz (the calls torch.optim.Muon makes), and the training is bit-equal to
+    torch.optim.Muon + AdamW; the equality tests of the batched road use matrices too small
+    to measure."""
+    monkeypatch.setattr(ns_choice, "batching_ms", lambda *a, **k: (100.0, 1.0))
+    calls = []
+    real = ns_backends.NS_BACKENDS["torch"]
+
+    def recording(grad, *args, **kwargs):
+        calls.append(tuple(grad.shape))
+        return real(grad, *args, **kwargs)
+
+    monkeypatch.setitem(ns_backends.NS_BACKENDS, "torch", recording)
+    model = make_model(dim=64, hidden=128, layers=2)
+    reference_model = copy.deepcopy(model)
+    common = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.1)
+    ours = Muon(
+        model,
+        **common,
+        **as_muon_adamw_kwargs(ADAMW_KW),
+        ns_dtype=torch.bfloat16,  # torch.optim.Muon's
+        predicate=proj_predicate,
+    )
+    assert ours.ns.unbatched == {(64, 64), (128, 64), (64, 128)}
+    muon_params = [p for n, p in reference_model.named_parameters() if proj_predicate(n, p)]
+    ids = {id(p) for p in muon_params}
+    reference = [
+        torch.optim.Muon(muon_params, **common, ns_steps=5),
+        torch.optim.AdamW(
+            [p for p in reference_model.parameters() if id(p) not in ids], **REFERENCE_ADAMW_KW
+        ),
+    ]
+    for step in range(3):
+        for m, optimizers in ((model, [ours]), (reference_model, reference)):
+            for opt in optimizers:
+                opt.zero_grad()
+            loss_fn(m, *batch(100 + step)).backward()
+            for opt in optimizers:
+                opt.step()
+    assert calls and all(len(shape) == 2 for shape in calls)
+    assert len(calls) == 3 * len(muon_params)
+    for (name, p), q in zip(model.named_parameters(), reference_model.parameters(), strict=True):
+        assert torch.equal(p, q), name

@@ -252,7 +252,7 @@ class OwnedMatrices:
     ) -> MatrixGroup:
         keys, masters, grads, stepped = (list(column) for column in zip(*targets, strict=True))
         if split is None:
-            return MatrixGroup(keys, masters, grads, bound, stepped=stepped)
+            return MatrixGroup(keys, masters, grads, bound, stepped=stepped, unbatched=ns.unbatched)
         tensor_parallel = self.dedication.exchange.tensor_parallel
         sharded_ns = tensor_parallel.sharded_ns(
             split, bound, ns.schedule, eps=ns.eps, dtype=ns.dtype, backend=ns.backend

@@ -175,7 +175,9 @@ class LocalMatrices:
     def step_phases(self, ns: NSChoice) -> list[list[MatrixGroup]]:
         stepped = [p for p in self.params if p.grad is not None]
         grads = [p.grad for p in stepped]
-        return [[MatrixGroup(stepped, stepped, grads, ns.bind())]] if stepped else [[]]
+        if not stepped:
+            return [[]]
+        return [[MatrixGroup(stepped, stepped, grads, ns.bind(), unbatched=ns.unbatched)]]
 
     def computed(
         self,

@@ -11,7 +11,8 @@ For each matrix parameter ``p`` with gradient ``g`` and momentum buffer ``buf``:
 A 3-D parameter is a stack of independent matrices (MoE experts stored as one
 ``(experts, rows, cols)`` tensor): each matrix of the stack is orthogonalized on its own, as
 if it were a separate parameter. Matrices of the same shape, from any parameters, run as
-one batch. A matrix can be left out of a step on the device, without the host reading
+one batch (on CPU, where measured faster, one parameter at a time: ``unbatched``). A
+matrix can be left out of a step on the device, without the host reading
 anything: its ``stepped`` flag (a 0-dim bool tensor) enters the update's arithmetic (a
 ``lerp`` weight 0, factors 1 and 0), which leaves its value and momentum exactly what
 ``torch.optim.Muon`` keeps for a parameter whose gradient is None (a whole step is skipped
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -119,12 +120,14 @@ def muon_update(
     momentum: float,
     nesterov: bool,
     ns: NSFunction,
+    unbatched: Collection[tuple[int, int]] = (),
 ) -> MuonUpdate:
     """Momentum and Newton-Schulz of each matrix, out of place: nothing it reads changes,
     so a step that fails here (on any rank) can be abandoned as if it never ran.
 
     Matrices of the same shape, dtype and device are orthogonalized as one batch of at
-    most :data:`NS_BATCH_ELEMENTS` elements, whose new momentum and Nesterov look-ahead are
+    most :data:`NS_BATCH_ELEMENTS` elements (those of a shape in ``unbatched`` one parameter
+    at a time), whose new momentum and Nesterov look-ahead are
     formed (foreach ops) just before it (profiler ranges ``muon::momentum`` and
     ``muon::newton_schulz``). Only the orthogonalized updates outlive their batch: the
     phase holds one copy of the matrices the rank steps and a few batches.
@@ -136,6 +139,8 @@ def muon_update(
         momentum: EMA momentum factor in ``[0, 1)``.
         nesterov: Use the Nesterov look-ahead.
         ns: The orthogonalization to use (a backend with its schedule bound).
+        unbatched: ``(rows, cols)`` shapes whose parameters are orthogonalized one at a
+            time (:attr:`~torchtitan_dmuon.optim.ns_choice.NSChoice.unbatched`).
 
     Raises:
         ValueError: a parameter is neither 2-D nor 3-D.
@@ -148,7 +153,7 @@ def muon_update(
     if not params:
         return MuonUpdate([], momentum, 0)
     orthogonal: list[torch.Tensor | None] = [None] * len(params)
-    for indices in _batches(params):
+    for indices in _batches(params, unbatched):
         with record_function("muon::momentum"):
             batch_grads = [grads[i] for i in indices]
             bucket = torch._foreach_lerp(
@@ -304,12 +309,18 @@ def _buckets(params: Sequence[torch.Tensor]) -> dict[tuple, list[int]]:
     return buckets
 
 
-def _batches(params: Sequence[torch.Tensor]) -> list[list[int]]:
+def _batches(
+    params: Sequence[torch.Tensor], unbatched: Collection[tuple[int, int]] = ()
+) -> list[list[int]]:
     """Indices of ``params`` to orthogonalize together: each bucket of :func:`_buckets` in
     consecutive runs of at most :data:`NS_BATCH_ELEMENTS` elements (a larger parameter
-    alone: a stack of matrices is never split)."""
+    alone: a stack of matrices is never split), each parameter alone where its matrix shape
+    is in ``unbatched``."""
     batches = []
-    for indices in _buckets(params).values():
+    for (shape, _, _), indices in _buckets(params).items():
+        if shape in unbatched:
+            batches += [[i] for i in indices]
+            continue
         batch, elements = [], 0
         for i in indices:
             if batch and elements + params[i].numel() > NS_BATCH_ELEMENTS:
@@ -339,6 +350,8 @@ class MatrixGroup:
         stepped: Per matrix, a 0-dim bool device tensor: whether it has a gradient (one
             without keeps its value and state, as ``torch.optim.Muon`` skips a parameter
             whose gradient is None); None: all have.
+        unbatched: Matrix shapes whose parameters ``ns`` orthogonalizes one at a time
+            (see :func:`muon_update`).
     """
 
     keys: Sequence[torch.Tensor]
@@ -349,6 +362,7 @@ class MatrixGroup:
     split_dim: int | None = None
     all_reduce: AllReduce | None = None
     stepped: Sequence[torch.Tensor] | None = None
+    unbatched: Collection[tuple[int, int]] = ()
 
 
 @dataclass
@@ -378,7 +392,13 @@ def compute_group(
         b if b is not None else torch.zeros_like(p) for b, p in zip(bufs, group.params, strict=True)
     ]
     update = muon_update(
-        group.params, group.grads, bufs, momentum=momentum, nesterov=nesterov, ns=group.ns
+        group.params,
+        group.grads,
+        bufs,
+        momentum=momentum,
+        nesterov=nesterov,
+        ns=group.ns,
+        unbatched=group.unbatched,
     )
     if normuon_beta2 is not None:
         moments = [

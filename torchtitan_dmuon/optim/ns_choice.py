@@ -16,18 +16,29 @@ rank reads from the disk cache (:mod:`.ns_cache`) or measures
 (:func:`~torchtitan_dmuon.optim.ns_backends.timings_for`), of exactly the batches its step
 runs (the step's own batching, capped at :data:`~torchtitan_dmuon.optim.muon.NS_BATCH_ELEMENTS`).
 
+Batching (every ``ns_backend``): the step orthogonalizes same-shape matrices of several
+parameters as one batch, which on an accelerator saves a kernel launch per product. On a
+CPU there is no launch to save, and one matrix's iterates staying in cache can beat the
+batched kernels (fp32 on the CPUs measured here) or not (bf16 with AMX): on CPU, for each
+cache-sized shape that the step batches, a short batch is timed against its matrices one
+at a time (taking turns, at every start: a relative verdict that the machine's load at
+the time weighs on alike), and the shapes where one at a time is clearly faster form
+:attr:`NSChoice.unbatched`.
+
 Processes measure differently (other CPUs, timing noise), and two ranks that orthogonalize
 one shape with different backends or dtypes would round differently. So each rank's
 verdicts go to every rank of the job through ``gather`` (a collective the engine provides,
 over the dedication's groups) and all of them merge the same list the same way: bf16 only
 if every rank's verdict is bf16; per shape the backend whose time summed over the ranks
-that run it is least. This module does not import ``torch.distributed``.
+that run it is least; a shape runs unbatched if one at a time costs less, summed over the
+ranks, than batched. This module does not import ``torch.distributed``.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import platform
 import statistics
@@ -85,6 +96,15 @@ _PROBE_REPEATS = 5
 # run to the next on the same machine, keeps the more precise fp32 (native bf16 wins by
 # far more: AMX several times, AVX512-BF16 about twice).
 _BF16_MARGIN = 0.9
+# One parameter at a time must beat the batch by this factor (as a backend must beat torch).
+_UNBATCHED_MARGIN = 0.97
+# Batching is timed on this many matrices (the per-matrix cost of a longer batch is the
+# same; the probe stays short however many matrices a rank owns), each way this many times.
+_BATCH_PROBE = 4
+_BATCHING_REPEATS = 3
+# Larger matrices (1 MiB in fp32) do not fit a core's cache: their products stream from
+# memory batched or not.
+_UNBATCHED_MAX_ELEMENTS = 1 << 18
 _X86 = {"x86_64", "amd64", "i386", "i686"}
 
 
@@ -223,6 +243,8 @@ class NSChoice:
         backend: The backend's name (``"auto"``: per shape, see ``backend_report``).
         eps: Floor of the normalizing norm.
         backend_report: What ``"auto"`` measured and picked; None for a named backend.
+        unbatched: ``(rows, cols)`` shapes whose parameters the step orthogonalizes one at
+            a time rather than batched (CPU only, measured; see the module docstring).
     """
 
     schedule: NSSchedule
@@ -231,6 +253,7 @@ class NSChoice:
     backend: str
     eps: float
     backend_report: NSBackendReport | None = None
+    unbatched: frozenset[tuple[int, int]] = frozenset()
 
     def bind(self) -> NSFunction:
         """The orthogonalization of one matrix or batch, with everything here bound."""
@@ -274,7 +297,21 @@ def choose_ns(
         report = _agree_ns_backends(
             workload(verdict.dtype), schedule, config.eps, verdict.dtype, device, gather
         )
-    return NSChoice(schedule, verdict.dtype, verdict.reason, config.ns_backend, config.eps, report)
+    unbatched = frozenset()
+    if device.type == "cpu":  # the same on every rank: all of them gather, or none
+        unbatched = _agree_batching(
+            workload(verdict.dtype),
+            # "auto" runs torch on the shapes it does not time
+            lambda shape: report.picks.get(shape, "torch") if report else config.ns_backend,
+            schedule,
+            config.eps,
+            verdict.dtype,
+            device,
+            gather,
+        )
+    return NSChoice(
+        schedule, verdict.dtype, verdict.reason, config.ns_backend, config.eps, report, unbatched
+    )
 
 
 def _job_ns_dtype(device: torch.device, gather: Gather | None) -> NSDtypeVerdict:
@@ -339,6 +376,88 @@ def _agree_ns_backends(
     return report
 
 
+def _agree_batching(
+    workload: dict[tuple[int, int], list[int]],
+    backend_of: Callable[[tuple[int, int]], str],
+    schedule: NSSchedule,
+    eps: float,
+    dtype: torch.dtype,
+    device: torch.device,
+    gather: Gather | None,
+) -> frozenset[tuple[int, int]]:
+    """The matrix shapes whose parameters run Newton-Schulz one at a time.
+
+    For each shape of which its step batches several parameters, a rank times a batch of
+    at most :data:`_BATCH_PROBE` matrices against the same matrices one at a time, with the
+    shape's backend (``backend_of``; :func:`batching_ms`), and counts the matrices that
+    batching would join; the costs go to every rank, and a shape runs unbatched where one
+    at a time costs less than :data:`_UNBATCHED_MARGIN` times batched, summed over the
+    ranks. Only shapes that ``"auto"`` times (:func:`needs_choice`) and whose matrix fits a
+    core's cache (:data:`_UNBATCHED_MAX_ELEMENTS`) are measured: larger ones stream from
+    memory either way and stay batched."""
+    mine = {}
+    for shape, counts in sorted(workload.items()):
+        if not needs_choice(device, shape, dtype) or math.prod(shape) > _UNBATCHED_MAX_ELEMENTS:
+            continue
+        sizes = [
+            sum(counts[i] for i in batch) for batch in _batches(_stand_ins(shape, counts))
+            if len(batch) > 1
+        ]  # fmt: skip
+        if sizes:  # a probe no longer than the step's batches (NS_BATCH_ELEMENTS)
+            ns = bind_ns(backend_of(shape), schedule, eps=eps, dtype=dtype)
+            batched_ms, alone_ms = batching_ms(ns, (min(_BATCH_PROBE, max(sizes)), *shape), device)
+            mine[shape] = (sum(sizes) * batched_ms, sum(sizes) * alone_ms)
+    everyone = gather(mine) if gather is not None else [mine]
+    summed: dict[tuple[int, int], list[float]] = {}
+    for rows in everyone:
+        for shape, costs in rows.items():
+            total = summed.setdefault(shape, [0.0, 0.0])
+            total[0] += costs[0]
+            total[1] += costs[1]
+    unbatched = frozenset(
+        shape for shape, (batched_ms, alone_ms) in summed.items()
+        if alone_ms < _UNBATCHED_MARGIN * batched_ms
+    )  # fmt: skip
+    if summed:
+        _log_once(
+            ("batching", dtype, tuple(sorted(unbatched)), len(everyone)),
+            "dmuon: Newton-Schulz batching on %s, %s, over %d rank(s) (ms a step, batched / "
+            "one parameter at a time): %s",
+            _device_description(device),
+            dtype,
+            len(everyone),
+            ", ".join(
+                f"{r}x{c} {b:.1f} / {a:.1f} {'unbatched' if (r, c) in unbatched else 'batched'}"
+                for (r, c), (b, a) in sorted(summed.items())
+            ),
+        )
+    return unbatched
+
+
+def batching_ms(ns: NSFunction, shape: tuple[int, int, int], device: torch.device):
+    """Milliseconds a matrix of a ``(batch, rows, cols)`` stack takes, orthogonalized by
+    ``ns`` as one batch and one matrix at a time: the fastest of
+    :data:`_BATCHING_REPEATS` runs of each, the two taking turns so that a load on the
+    machine weighs on both alike (CPU: nothing to synchronize). Its own generator (the
+    global RNG is left alone)."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    stack = torch.randn(*shape, generator=generator, device=device)
+    runs = {"batched": lambda: ns(stack), "alone": lambda: [ns(m) for m in stack.unbind()]}
+    samples: dict[str, list[float]] = {name: [] for name in runs}
+    for repeat in range(_BATCHING_REPEATS + 1):  # the first is the warm-up
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            if repeat:
+                samples[name].append(time.perf_counter() - start)
+    return tuple(1e3 * min(samples[name]) / shape[0] for name in runs)
+
+
+def _stand_ins(shape: tuple[int, int], counts: Sequence[int]) -> list[torch.Tensor]:
+    """Meta tensors of the parameters ``counts`` describes (a matrix, or a stack of n)."""
+    return [torch.empty((n, *shape) if n > 1 else shape, device="meta") for n in counts]
+
+
 def step_batches(shape: tuple[int, int], counts: Sequence[int]) -> list[tuple[int, ...]]:
     """The shapes Newton-Schulz gets in one step for parameters of matrix shape ``shape``
     holding ``counts`` matrices each (in step order): the step's own batching
@@ -347,7 +466,7 @@ def step_batches(shape: tuple[int, int], counts: Sequence[int]) -> list[tuple[in
     A batch of one parameter runs as that parameter (a matrix, or a stack); a batch of
     several runs as one stack of all their matrices.
     """
-    params = [torch.empty((n, *shape) if n > 1 else shape, device="meta") for n in counts]
+    params = _stand_ins(shape, counts)
     return [
         tuple(params[batch[0]].shape)
         if len(batch) == 1
