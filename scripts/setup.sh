@@ -58,7 +58,8 @@ fi
 # Re-run only when the project's dependency list changed since the last setup (or the
 # extras are wanted and were not installed). Contents only (not paths), so that
 # checkouts in other folders share one stamp.
-want_stamp="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup.sh" | sha256sum | cut -d' ' -f1)"
+want_stamp="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup.sh" "$ROOT/scripts/constraints.txt" \
+  | sha256sum | cut -d' ' -f1)"
 have_stamp="$(cat "$STAMP" 2>/dev/null || true)"
 ASSETS="$ROOT/assets"
 # assets/ is complete with its tokenizer and the held-out split; one built before the
@@ -118,6 +119,7 @@ esac
 constraints="$(mktemp)"
 trap 'rm -f "$constraints"' EXIT
 echo "torch==$torch_now" >"$constraints"
+cat "$ROOT/scripts/constraints.txt" >>"$constraints" # the tested versions (TorchTitan 0.2.2)
 
 log "installing torchtitan-dmuon$extras (editable) around torch $torch_now"
 "${PIP[@]}" install -c "$constraints" -e "$ROOT$extras"

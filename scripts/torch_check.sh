@@ -6,8 +6,9 @@
 #
 # 1. A venv with that torch (${DMUON_TORCH_VENVS:-.venvs}/torch-VERSION, made once, ~4.7 GB for
 #    2.11.0: a CUDA build runs on a machine without a GPU, torch.cuda.is_available() False),
-#    the project installed editable around it with its pinned dependencies (TorchTitan 0.2.2)
-#    and the test extra; triton is the one that torch build requires.
+#    the project installed editable around it with the tested versions of
+#    scripts/constraints.txt (TorchTitan 0.2.2) and the test extra; triton is the one that
+#    torch build requires.
 # 2. The GPU lease at toy size on the CPU (LEASE_DEVICE=cpu bash benchmarks/gpu_lease.sh):
 #    OUT_DIR/lease/gpu_lease.{json,md,log}.
 # 3. The engine's and the optimizer's tests (TESTS: pytest's arguments; default: every test
@@ -39,6 +40,7 @@ if [[ ! -f "$venv/.dmuon-ready" ]]; then
   constraints="$(mktemp)"
   # The public version: a local label (+cu130) in a constraint matches no candidate.
   echo "torch==$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])')" >"$constraints"
+  cat "$ROOT/scripts/constraints.txt" >>"$constraints" # the tested versions
   "${pip[@]}" install -c "$constraints" -e "$ROOT[test]" || exit 1
   rm -f "$constraints"
   touch "$venv/.dmuon-ready"

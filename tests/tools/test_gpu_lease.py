@@ -87,14 +87,22 @@ def test_usage_errors_exit_2(tmp_path):
         assert run.returncode == 2 and "usage:" in run.stderr, args
 
 
-def test_wheel_pins_match_pyproject():
-    """The carried wheels are the versions the project pins, where it pins them."""
-    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+def test_wheel_pins_match_the_tested_versions():
+    """The carried wheels are the tested versions (scripts/constraints.txt), where it pins
+    them, and each is within pyproject.toml's range of it."""
     pinned = {}
-    for requirement in pyproject["project"]["dependencies"]:
-        if "==" in requirement:
-            name, version = requirement.split("==")
+    for line in (ROOT / "scripts" / "constraints.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, version = line.split("==")
             pinned[gpu_lease.normalize(name)] = version
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    ranges = {}
+    for requirement in pyproject["project"]["dependencies"]:
+        name = re.split(r"[<>=!~; ]", requirement, maxsplit=1)[0]
+        ranges[gpu_lease.normalize(name)] = requirement[len(name) :]
+    assert set(pinned) <= set(ranges)
+    for name, version in pinned.items():
+        assert ranges[name].startswith(f">={version}"), (name, ranges[name])
     wheels = gpu_lease.pins()
     assert {"torchtitan", "torchdata", "tyro", "datasets"} <= set(wheels)
     shared = set(wheels) & set(pinned)

@@ -1,5 +1,6 @@
 """The TorchTitan adapter: thin glue between TorchTitan 0.2.2 and the ownership engine.
 
+* ``version.py``: the TorchTitan found, checked first (another release is refused by name);
 * ``config.py``: the ``[dmuon]`` TOML section;
 * ``parallelize.py``: runs ``dedicate_params`` right before TorchTitan's FSDP, and lets
   pipeline stages drive their parts' dedications;
@@ -32,8 +33,12 @@ import dataclasses
 import logging
 import weakref
 
-import torchtitan.protocols.train_spec as train_spec_module
-from torchtitan.protocols.train_spec import TrainSpec, register_train_spec
+from torchtitan_dmuon.titan.version import check_torchtitan
+
+check_torchtitan()  # before any TorchTitan import: an unsupported one is refused by name
+
+import torchtitan.protocols.train_spec as train_spec_module  # noqa: E402
+from torchtitan.protocols.train_spec import TrainSpec, register_train_spec  # noqa: E402
 
 __all__ = ["register", "train_spec"]
 
