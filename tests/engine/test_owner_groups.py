@@ -32,6 +32,7 @@ from tests.support.workers import (
     train_reference,
 )
 from torchtitan_dmuon import Muon, dedicate_params, get_full_param
+from torchtitan_dmuon.engine.checkpoint_geometry import load_state_into
 from torchtitan_dmuon.engine.machine import DEFAULT_GPU
 from torchtitan_dmuon.engine.plan import (
     HeldDtypes,
@@ -41,7 +42,7 @@ from torchtitan_dmuon.engine.plan import (
     plan_with_groups,
 )
 from torchtitan_dmuon.optim.newton_schulz import ns_flops, split_ns_flops
-from torchtitan_dmuon.titan.checkpoint import DMuonModelWrapper, load_state_into
+from torchtitan_dmuon.titan.checkpoint import DMuonModelWrapper
 from torchtitan_dmuon.titan.config import MODEL_SELECTIONS
 
 STEPS = 4

@@ -31,11 +31,11 @@ from torchtitan_dmuon import (
     materialize,
     set_requires_gradient_sync,
 )
+from torchtitan_dmuon.engine.checkpoint_geometry import as_saved
 from torchtitan_dmuon.engine.report import StepCounts, plan_report
 from torchtitan_dmuon.engine.unit import Unit
 from torchtitan_dmuon.optim.newton_schulz import newton_schulz, resolve_ns_schedule
 from torchtitan_dmuon.optim.normuon import second_moment_shape
-from torchtitan_dmuon.titan.checkpoint import as_saved
 
 MUON_KW = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.01)
 ADAMW_KW = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)

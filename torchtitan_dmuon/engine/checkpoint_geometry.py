@@ -1,17 +1,29 @@
-"""Where the pieces of a split dedicated stack lie in the whole stack, and which global
-rank saves each: what a checkpoint of split stacks (``titan/checkpoint.py``) writes and
-reads. Per piece the layout knows its own shards (``ParamLayout.piece_shards``); this adds
-the owners' global ranks, known once ``verify_plan`` (``Muon``'s constructor) gathered
-them."""
+"""What a checkpoint holds for a dedicated matrix and how a load goes back in: its value or
+state whole, as a DTensor shard or as a ``ShardedTensor`` of a split stack's pieces
+(:func:`as_saved`), and the loaded tensor put into the owner's (:func:`load_state_into`).
+Where the pieces of a split stack lie in the whole stack, and which global rank saves
+each (:func:`piece_shards`): per piece the layout knows its own shards
+(``ParamLayout.piece_shards``); this adds the owners' global ranks, known once
+``verify_plan`` (``Muon``'s constructor) gathered them. The TorchTitan layer's DCP
+wrappers (``titan/checkpoint.py``) and any other checkpointer use these; no TorchTitan
+here."""
 
 from __future__ import annotations
 
 import functools
 
+import torch
+import torch.distributed as dist
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.tensor import DTensor
+
+from torchtitan_dmuon.engine import comm
 from torchtitan_dmuon.engine.dedication import Dedication
 from torchtitan_dmuon.engine.param_layout import PieceShard
+from torchtitan_dmuon.engine.plan import DedicatedParam
+from torchtitan_dmuon.optim.normuon import second_moment_shape
 
-__all__ = ["piece_shards"]
+__all__ = ["as_saved", "load_into", "load_state_into", "piece_shards"]
 
 
 def piece_shards(dedication: Dedication, name: str) -> list[PieceShard]:
@@ -50,3 +62,67 @@ def _owner_rank(dedication: Dedication, domain: int, slot: int, ep_rank: int, et
             "dry run gathers nothing): their checkpoints need a real process group"
         )
     return dedication.expert_owner_ranks[ep_rank, slot, etp_rank]
+
+
+def as_saved(
+    dedication: Dedication, entry: DedicatedParam, local: torch.Tensor, per_row: bool = False
+) -> torch.Tensor:
+    """What a checkpoint holds for a dedicated matrix's value or state (``local``, this
+    owner's tensor; DCP loads into it in place through what this returns): whole, a
+    DTensor shard or a ``ShardedTensor`` of a stack's pieces, as its layout says (see
+    :meth:`~torchtitan_dmuon.engine.param_layout.ParamLayout.saved`).
+
+    ``per_row``: ``local`` holds one value per row of the parameter's matrices (NorMuon's
+    second moment, ``(..., rows, 1)``); where each expert tensor-parallel rank saves a
+    block of the rows of its copy, :func:`load_state_into` hands each block to the others
+    after a load.
+    """
+    param = entry.param
+    shape = second_moment_shape(param.shape) if per_row else param.shape
+    shards = functools.partial(piece_shards, dedication, entry.name)
+    return entry.layout.saved(param, local, shape, shards, per_row)
+
+
+def load_state_into(
+    dedication: Dedication,
+    entry: DedicatedParam,
+    target: torch.Tensor,
+    loaded: torch.Tensor,
+    per_row: bool = False,
+) -> None:
+    """Put what DCP loaded for a dedicated matrix's state (through :func:`as_saved`'s
+    result) into ``target``. For the per-row state of a piece split along its columns
+    over the expert tensor-parallel ranks, each of them loaded one block of the rows:
+    one broadcast per block over the engine's TP group gives every rank all of them (a
+    collective, run by the piece's ranks for the same entries in the same order); the
+    same for an owner group's column blocks, over the group."""
+    layout = entry.layout
+    if not (per_row and layout.row_blocks):
+        load_into(target, loaded)
+        return
+    mine = loaded.local_shards()[0].tensor
+    owners = layout.row_block_owners(piece_shards(dedication, entry.name))
+    for part, owner in enumerate(owners):
+        start, stop = layout.row_block(target.shape[-2], part)
+        block = (
+            mine
+            if part == layout.column_parts[0]
+            else target.new_empty((*target.shape[:-2], stop - start, 1))
+        )
+        group = dedication.exchange.column_holders(layout)
+        source = dist.get_group_rank(group, owner)
+        comm.broadcast(block, source, group, dedication.stats, "checkpoint_broadcast").wait()
+        target.narrow(-2, start, stop - start).copy_(block)
+
+
+def load_into(target: torch.Tensor, loaded: torch.Tensor) -> None:
+    """Copy a loaded value into a dedicated matrix's local tensor, unless DCP already
+    loaded it in place (into the tensor or a view of it)."""
+    if isinstance(loaded, ShardedTensor):
+        loaded = loaded.local_shards()[0].tensor
+    elif isinstance(loaded, DTensor):
+        loaded = loaded.to_local()
+    if isinstance(target, DTensor):
+        target = target.to_local()
+    if loaded.untyped_storage().data_ptr() != target.untyped_storage().data_ptr():
+        target.copy_(loaded)

@@ -20,17 +20,13 @@ whatever the old topology wrote, and the engine distributes it.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import re
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -38,15 +34,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.tensor import DTensor
 from torchtitan.components.checkpoint import OPTIMIZER, ModelWrapper
 from torchtitan.components.lr_scheduler import LRSchedulersContainer
 
-from torchtitan_dmuon.engine import Dedication, comm, get_dedication
-from torchtitan_dmuon.engine.checkpoint_geometry import piece_shards
-from torchtitan_dmuon.engine.plan import DedicatedParam
+from torchtitan_dmuon.engine import get_dedication
+from torchtitan_dmuon.engine.checkpoint_geometry import as_saved, load_into
 from torchtitan_dmuon.optim.muon import SECOND_MOMENT
-from torchtitan_dmuon.optim.normuon import second_moment_shape
 from torchtitan_dmuon.titan.parallelize import clean_fqn
 
 logger = logging.getLogger(__name__)
@@ -54,9 +47,6 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "DMuonModelWrapper",
     "LRSchedulersWrapper",
-    "as_saved",
-    "load_into",
-    "load_state_into",
     "optimizer_state_to_load",
 ]
 
@@ -79,70 +69,6 @@ def _dedicated(model: nn.Module):
         for entry, master in dedication.primary_params()
     }
     return every, owned
-
-
-def as_saved(
-    dedication: Dedication, entry: DedicatedParam, local: torch.Tensor, per_row: bool = False
-) -> torch.Tensor:
-    """What a checkpoint holds for a dedicated matrix's value or state (``local``, this
-    owner's tensor; DCP loads into it in place through what this returns): whole, a
-    DTensor shard or a ``ShardedTensor`` of a stack's pieces, as its layout says (see
-    :meth:`~torchtitan_dmuon.engine.param_layout.ParamLayout.saved`).
-
-    ``per_row``: ``local`` holds one value per row of the parameter's matrices (NorMuon's
-    second moment, ``(..., rows, 1)``); where each expert tensor-parallel rank saves a
-    block of the rows of its copy, :func:`load_state_into` hands each block to the others
-    after a load.
-    """
-    param = entry.param
-    shape = second_moment_shape(param.shape) if per_row else param.shape
-    shards = functools.partial(piece_shards, dedication, entry.name)
-    return entry.layout.saved(param, local, shape, shards, per_row)
-
-
-def load_state_into(
-    dedication: Dedication,
-    entry: DedicatedParam,
-    target: torch.Tensor,
-    loaded: torch.Tensor,
-    per_row: bool = False,
-) -> None:
-    """Put what DCP loaded for a dedicated matrix's state (through :func:`as_saved`'s
-    result) into ``target``. For the per-row state of a piece split along its columns
-    over the expert tensor-parallel ranks, each of them loaded one block of the rows:
-    one broadcast per block over the engine's TP group gives every rank all of them (a
-    collective, run by the piece's ranks for the same entries in the same order); the
-    same for an owner group's column blocks, over the group."""
-    layout = entry.layout
-    if not (per_row and layout.row_blocks):
-        load_into(target, loaded)
-        return
-    mine = loaded.local_shards()[0].tensor
-    owners = layout.row_block_owners(piece_shards(dedication, entry.name))
-    for part, owner in enumerate(owners):
-        start, stop = layout.row_block(target.shape[-2], part)
-        block = (
-            mine
-            if part == layout.column_parts[0]
-            else target.new_empty((*target.shape[:-2], stop - start, 1))
-        )
-        group = dedication.exchange.column_holders(layout)
-        source = dist.get_group_rank(group, owner)
-        comm.broadcast(block, source, group, dedication.stats, "checkpoint_broadcast").wait()
-        target.narrow(-2, start, stop - start).copy_(block)
-
-
-def load_into(target: torch.Tensor, loaded: torch.Tensor) -> None:
-    """Copy a loaded value into a dedicated matrix's local tensor, unless DCP already
-    loaded it in place (into the tensor or a view of it)."""
-    if isinstance(loaded, ShardedTensor):
-        loaded = loaded.local_shards()[0].tensor
-    elif isinstance(loaded, DTensor):
-        loaded = loaded.to_local()
-    if isinstance(target, DTensor):
-        target = target.to_local()
-    if loaded.untyped_storage().data_ptr() != target.untyped_storage().data_ptr():
-        target.copy_(loaded)
 
 
 class DMuonModelWrapper(ModelWrapper):

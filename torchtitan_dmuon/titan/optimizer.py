@@ -29,12 +29,12 @@ from torchtitan.components.lr_scheduler import LRSchedulersContainer
 from torchtitan.components.optimizer import OptimizersContainer
 
 from torchtitan_dmuon.engine import clip_grad_norm_, get_dedication
+from torchtitan_dmuon.engine.checkpoint_geometry import as_saved, load_state_into
 from torchtitan_dmuon.engine.param_layout import local_tensor
 from torchtitan_dmuon.optim.config import AdamWConfig
 from torchtitan_dmuon.optim.muon import SECOND_MOMENT
 from torchtitan_dmuon.optim.normuon import second_moment_shape
 from torchtitan_dmuon.optimizer import Muon
-from torchtitan_dmuon.titan.checkpoint import as_saved, load_state_into
 from torchtitan_dmuon.titan.config import DECAY_KEPT_BOUND, MuonRecipe, muon_recipe
 from torchtitan_dmuon.titan.parallelize import clean_fqn, dmuon_settings, muon_predicate
 from torchtitan_dmuon.titan.qk_clip import build_qk_clip
