@@ -367,30 +367,3 @@ def test_bias_entries_located_under_fsdp_over_tp():
         assert run["here"] == list(range(16 * tp + 8 * dp, 16 * tp + 8 * dp + 8))
         torch.testing.assert_close(run["local"], run["whole"][run["here"]], rtol=0, atol=0)
         assert run["index"] == list(range(8 * dp, 8 * dp + 8))
-
-
-def test_titan_attention_with_biases_names_them():
-    """TorchTitan's llama3 with biases on wq, wk and wv (Qwen2.5's layout): each head's
-    wq and wk rows come with their bias (wv's, outside the logit, is left alone); without
-    biases none is named."""
-    from tests.optim.test_qk_clip import _layout, _titan_model
-    from torchtitan_dmuon.titan.config import DMuon
-    from torchtitan_dmuon.titan.qk_clip import build_qk_clip
-
-    on = DMuon(qk_clip_threshold=100.0)
-    model = _titan_model("llama3")
-    with torch.device("meta"):
-        for block in model.layers.values():
-            attention = block.attention
-            for name in ("wq", "wk", "wv"):
-                linear = getattr(attention, name)
-                setattr(attention, name, nn.Linear(linear.in_features, linear.out_features))
-    first = build_qk_clip(model, on, _layout(tp=2)).attentions[0]
-    assert first.weights == (
-        HeadRows("layers.0.attention.wq.weight", 16, ((0, 16, "query"),),
-                 "layers.0.attention.wq.bias"),
-        HeadRows("layers.0.attention.wk.weight", 16, ((0, 16, "key"),),
-                 "layers.0.attention.wk.bias"),
-    )  # fmt: skip
-    plain = build_qk_clip(_titan_model("llama3"), on, _layout()).attentions[0]
-    assert [rows.bias for rows in plain.weights] == [None, None]

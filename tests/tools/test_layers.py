@@ -15,21 +15,23 @@ def _module(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def _imported(path: Path, modules) -> set[str]:
+    """The modules (of anything) ``path`` imports anywhere in it; ``from P import name``
+    counts ``P.name`` when that is one of ``modules``."""
+    named = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            named.add(node.module)
+            named |= {f"{node.module}.{a.name}" for a in node.names} & modules
+        elif isinstance(node, ast.Import):
+            named |= {a.name for a in node.names}
+    return named
+
+
 def _imports() -> dict[str, set[str]]:
-    """Every module of the package and the modules (of anything) it imports; ``from P
-    import name`` counts ``P.name`` when that is a module of the package."""
+    """Every module of the package and the modules it imports (:func:`_imported`)."""
     modules = {_module(p): p for p in PACKAGE.rglob("*.py")}
-    graph = {}
-    for name, path in modules.items():
-        named = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module:
-                named.add(node.module)
-                named |= {f"{node.module}.{a.name}" for a in node.names} & modules.keys()
-            elif isinstance(node, ast.Import):
-                named |= {a.name for a in node.names}
-        graph[name] = named - {name}
-    return graph
+    return {name: _imported(path, modules.keys()) - {name} for name, path in modules.items()}
 
 
 def _violations(part: str, forbidden: tuple[str, ...]) -> list[str]:
@@ -98,3 +100,45 @@ def test_the_package_muon_only_picks_the_matrix_set():
     }
     assert not added, added
     assert torchtitan_dmuon.Muon.__mro__[1] is optimizer.Muon
+
+
+TESTS = PACKAGE.parent / "tests"
+# Engine tests that save and load through the adapter's DCP wrapper (DMuonModelWrapper,
+# TorchTitan's ModelWrapper): the checkpoint form itself is the engine's
+# (engine/checkpoint_geometry.py).
+_THROUGH_THE_ADAPTER = {"tests.engine.test_expert_checkpoint", "tests.engine.test_owner_groups"}
+
+
+def test_the_engine_and_optimizer_tests_import_no_torchtitan():
+    """So that they run beside any TorchTitan (or none): ``tests/engine`` and
+    ``tests/optim``, and every ``tests`` module they import, at any depth and in any
+    function, import neither TorchTitan nor the adapter nor the adapter's tests."""
+    modules = {
+        ".".join(p.relative_to(TESTS.parent).with_suffix("").parts): p for p in TESTS.rglob("*.py")
+    }
+    imported = {name: _imported(path, modules.keys()) for name, path in modules.items()}
+
+    def reached(name: str) -> set[str]:
+        seen, todo = set(), [name]
+        while todo:
+            for target in imported.get(todo.pop(), ()):
+                if target not in seen:
+                    seen.add(target)
+                    if target in modules:
+                        todo.append(target)
+        return seen
+
+    def forbidden(target: str) -> bool:
+        return target == "torchtitan" or target.startswith(
+            ("torchtitan.", "torchtitan_dmuon.titan", "tests.titan")
+        )
+
+    layer_tests = [n for n in modules if n.startswith(("tests.engine.", "tests.optim."))]
+    assert len(layer_tests) > 20
+    offending = {
+        name: sorted(filter(forbidden, reached(name)))
+        for name in sorted(layer_tests)
+        if name not in _THROUGH_THE_ADAPTER
+    }
+    assert {name: found for name, found in offending.items() if found} == {}
+    assert all(any(map(forbidden, reached(name))) for name in _THROUGH_THE_ADAPTER)
