@@ -149,7 +149,7 @@ class MuonConfig:
     ~/.cache/torchtitan_dmuon, so a second run measures nothing). Under tensor parallelism
     gram and auto may use the Gram all-reduce path; torch and triton gather the matrix.
     On CPU, whichever the backend, same-shape matrices that fit a core's cache run one at
-    a time where that was timed faster than batched (through the same cache)."""
+    a time where that was timed faster than batched (timed at each start, not cached)."""
 
     adjust_lr_fn: Literal["original", "match_rms_adamw", "spectral"] = "original"
     """Per-shape learning-rate scaling: original (sqrt(max(1, rows/cols)), Keller Jordan's),

@@ -292,15 +292,15 @@ def choose_ns(
         verdict = _job_ns_dtype(device, gather)
     else:
         verdict = NSDtypeVerdict(getattr(torch, config.ns_dtype), "named")
+    # Read once, where a choice below needs it: "auto" backends, batching on CPU.
+    work = workload(verdict.dtype) if config.ns_backend == "auto" or device.type == "cpu" else {}
     report = None
     if config.ns_backend == "auto":
-        report = _agree_ns_backends(
-            workload(verdict.dtype), schedule, config.eps, verdict.dtype, device, gather
-        )
+        report = _agree_ns_backends(work, schedule, config.eps, verdict.dtype, device, gather)
     unbatched = frozenset()
     if device.type == "cpu":  # the same on every rank: all of them gather, or none
         unbatched = _agree_batching(
-            workload(verdict.dtype),
+            work,
             # "auto" runs torch on the shapes it does not time
             lambda shape: report.picks.get(shape, "torch") if report else config.ns_backend,
             schedule,
