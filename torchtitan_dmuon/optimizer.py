@@ -17,6 +17,7 @@ from torchtitan_dmuon.engine.param_layout import bias_entries
 from torchtitan_dmuon.engine.plan import Predicate, select_matrices
 from torchtitan_dmuon.optim import optimizer
 from torchtitan_dmuon.optim.config import AdamWConfig, MuonConfig
+from torchtitan_dmuon.optim.fused_rows import fused_rows_of
 from torchtitan_dmuon.optim.matrices import LocalMatrices, MatrixSet, MuonStepError
 from torchtitan_dmuon.optim.qk_clip import QKClip
 
@@ -64,10 +65,17 @@ def _matrix_set(model: nn.Module, config: MuonConfig, predicate: Predicate | Non
     dedication = get_dedication(model)
     if dedication is None:
         selected = select_matrices(model, predicate or (lambda n, p: p.ndim == 2))
-        return LocalMatrices(selected, config)
+        return LocalMatrices(selected, config, _fused(model, [n for n, _ in selected]))
     if predicate is not None:
         raise ValueError(
             "predicate: the model was prepared by dedicate_params, whose predicate "
             "selects the Muon parameters; do not pass one to Muon as well"
         )
-    return OwnedMatrices(dedication, config)
+    names = [d.name for d in dedication.plan.params]
+    return OwnedMatrices(dedication, config, _fused(model, names))
+
+
+def _fused(model: nn.Module, names: list[str]) -> dict:
+    """The fused-rows layouts (``mark_fused_rows``) of the parameters ``names``."""
+    layouts = {name: fused_rows_of(model, name) for name in names}
+    return {name: layout for name, layout in layouts.items() if layout is not None}

@@ -14,7 +14,7 @@ waits for every rank's host.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -28,6 +28,7 @@ from torchtitan_dmuon.engine.comm import gather_over_groups, mesh_device
 from torchtitan_dmuon.engine.dedication import Dedication
 from torchtitan_dmuon.engine.verification import verify_plan
 from torchtitan_dmuon.optim.config import MuonConfig
+from torchtitan_dmuon.optim.fused_rows import FusedRows
 from torchtitan_dmuon.optim.matrices import MuonStepError
 from torchtitan_dmuon.optim.muon import MatrixGroup, NSFunction
 from torchtitan_dmuon.optim.newton_schulz import matrix_count
@@ -99,20 +100,42 @@ class OwnedMatrices:
     Args:
         dedication: What :func:`~torchtitan_dmuon.dedicate_params` attached to the model.
         config: The optimizer's settings (``replicate_async`` switches the dedication's on).
+        fused: The layouts of the dedicated parameters that hold several matrices fused
+            along their rows, by name (each owned whole: its owner runs every matrix's
+            Newton-Schulz).
 
     Raises:
-        ValueError: ``replicate_async`` without a replicate mesh.
+        ValueError: ``replicate_async`` without a replicate mesh; a fused parameter that
+            the plan splits (owner-group blocks, tensor-parallel shards). The plan is the
+            same on every rank, so every rank raises alike.
     """
 
-    def __init__(self, dedication: Dedication, config: MuonConfig) -> None:
+    def __init__(
+        self,
+        dedication: Dedication,
+        config: MuonConfig,
+        fused: Mapping[str, FusedRows] | None = None,
+    ) -> None:
         if config.replicate_async and dedication.exchange.replicas is None:
             raise ValueError(
                 "replicate_async=True needs dedicate_params(..., replicate_mesh=...) (HSDP)"
             )
+        fused = dict(fused or {})
+        for d in dedication.plan.params:
+            if d.name in fused and (d.layout.block is not None or d.layout.split_dim is not None):
+                raise ValueError(
+                    f"{d.name} holds fused matrices ({fused[d.name]}), which must be owned "
+                    "whole: the plan splits it (owner groups or tensor parallelism); "
+                    "owner_group_size=1, or no tensor parallelism, keeps it whole"
+                )
         self.dedication = dedication
         dedication.bind_params()
         self.params: list[nn.Parameter] = list(dedication.params)
         self.names = [d.name for d in dedication.plan.params]
+        self.fused = [fused.get(name) for name in self.names]
+        self._fused_by_key = {
+            id(d.param): fused[d.name] for d in dedication.plan.params if d.name in fused
+        }
         self.device = mesh_device(dedication.mesh)
         self._replicate_async = config.replicate_async
         exchange = dedication.exchange
@@ -159,6 +182,11 @@ class OwnedMatrices:
                 if d.layout.block is not None:  # an owner group's own iteration
                     continue
                 shape = d.layout.shape  # whole matrices (a piece's)
+                layout = self._fused_by_key.get(id(d.param))
+                if layout is not None:
+                    for rows, cols in layout.shapes(int(shape[-1])):
+                        out.setdefault((rows, cols), []).append(1)
+                    continue
                 out.setdefault((int(shape[-2]), int(shape[-1])), []).append(matrix_count(shape))
         return out
 
@@ -252,7 +280,16 @@ class OwnedMatrices:
     ) -> MatrixGroup:
         keys, masters, grads, stepped = (list(column) for column in zip(*targets, strict=True))
         if split is None:
-            return MatrixGroup(keys, masters, grads, bound, stepped=stepped, unbatched=ns.unbatched)
+            fused = [self._fused_by_key.get(id(key)) for key in keys]
+            return MatrixGroup(
+                keys,
+                masters,
+                grads,
+                bound,
+                stepped=stepped,
+                unbatched=ns.unbatched,
+                fused=fused if any(fused) else None,
+            )
         tensor_parallel = self.dedication.exchange.tensor_parallel
         sharded_ns = tensor_parallel.sharded_ns(
             split, bound, ns.schedule, eps=ns.eps, dtype=ns.dtype, backend=ns.backend

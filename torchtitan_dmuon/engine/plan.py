@@ -54,6 +54,7 @@ from torchtitan_dmuon.engine.param_layout import (
     local_tensor,
     split_among_owners,
 )
+from torchtitan_dmuon.optim.fused_rows import fused_rows_of
 from torchtitan_dmuon.optim.newton_schulz import ns_flops, split_ns_flops
 from torchtitan_dmuon.optim.normuon import second_moment_shape
 from torchtitan_dmuon.optim.sharded_ns import split_ns_bytes
@@ -663,7 +664,13 @@ def build_plan(
                 items[domain].append(
                     PartitionItem(ns_flops(layout.shape, 1), index[names[name]], stack)
                 )
-        elif group_size > 1 and domain == 0 and _groupable(p, group_size):
+        elif (
+            group_size > 1
+            and domain == 0
+            and _groupable(p, group_size)
+            # A fused parameter's matrices each need their whole rows: one owner.
+            and fused_rows_of(model, name) is None
+        ):
             item = PartitionItem(group_cost(p.shape, group_size, gpu), index[names[name]])
             grouped.append((len(entries[0]), item))
             for block in range(group_size):

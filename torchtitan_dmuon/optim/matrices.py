@@ -15,13 +15,14 @@ This module does not import ``torch.distributed``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Protocol, TypeVar
 
 import torch
 from torch import nn
 
 from torchtitan_dmuon.optim.config import MuonConfig
+from torchtitan_dmuon.optim.fused_rows import FusedRows
 from torchtitan_dmuon.optim.muon import MatrixGroup
 from torchtitan_dmuon.optim.newton_schulz import matrix_count
 from torchtitan_dmuon.optim.ns_choice import Gather, NSChoice
@@ -49,6 +50,8 @@ class MatrixSet(Protocol):
     Attributes:
         params: Every Muon matrix of the model (``Muon.param_groups[0]``).
         names: Their names.
+        fused: Per parameter, the matrices it holds fused along its rows
+            (:class:`~torchtitan_dmuon.optim.fused_rows.FusedRows`), or None.
         device: Where their Newton-Schulz runs.
         gather: The all-ranks gather the Newton-Schulz choice agrees through; None in
             one process.
@@ -56,6 +59,7 @@ class MatrixSet(Protocol):
 
     params: list[nn.Parameter]
     names: list[str]
+    fused: list[FusedRows | None]
     device: torch.device
     gather: Gather | None
 
@@ -134,6 +138,8 @@ class LocalMatrices:
     Args:
         selected: ``(name, parameter)`` of every Muon matrix (the caller's selection).
         config: The optimizer's settings.
+        fused: The layouts of the selected parameters that hold several matrices fused
+            along their rows, by name.
 
     Raises:
         ValueError: ``config`` asks for what needs a dedication (``replicate_async``).
@@ -141,13 +147,19 @@ class LocalMatrices:
 
     gather = None
 
-    def __init__(self, selected: list[tuple[str, nn.Parameter]], config: MuonConfig) -> None:
+    def __init__(
+        self,
+        selected: list[tuple[str, nn.Parameter]],
+        config: MuonConfig,
+        fused: Mapping[str, FusedRows] | None = None,
+    ) -> None:
         if config.replicate_async:
             raise ValueError(
                 "replicate_async=True needs dedicate_params(..., replicate_mesh=...) (HSDP)"
             )
         self.names = [name for name, _ in selected]
         self.params = [p for _, p in selected]
+        self.fused = [(fused or {}).get(name) for name in self.names]
         self.device = self.params[0].device if self.params else torch.device("cpu")
 
     def prepare(self) -> None:
@@ -161,7 +173,11 @@ class LocalMatrices:
 
     def ns_workload(self, backend: str, dtype: torch.dtype, steps: int) -> dict:
         workload: dict[tuple[int, int], list[int]] = {}
-        for p in self.params:  # the order step_phases steps them in
+        for p, layout in zip(self.params, self.fused, strict=True):  # as step_phases steps them
+            if layout is not None:
+                for shape in layout.shapes(p.shape[-1]):
+                    workload.setdefault(shape, []).append(1)
+                continue
             shape = (p.shape[-2], p.shape[-1])
             workload.setdefault(shape, []).append(matrix_count(p.shape))
         return workload
@@ -173,11 +189,21 @@ class LocalMatrices:
         pass
 
     def step_phases(self, ns: NSChoice) -> list[list[MatrixGroup]]:
-        stepped = [p for p in self.params if p.grad is not None]
+        chosen = [i for i, p in enumerate(self.params) if p.grad is not None]
+        stepped = [self.params[i] for i in chosen]
         grads = [p.grad for p in stepped]
         if not stepped:
             return [[]]
-        return [[MatrixGroup(stepped, stepped, grads, ns.bind(), unbatched=ns.unbatched)]]
+        fused = [self.fused[i] for i in chosen]
+        group = MatrixGroup(
+            stepped,
+            stepped,
+            grads,
+            ns.bind(),
+            unbatched=ns.unbatched,
+            fused=fused if any(fused) else None,
+        )
+        return [[group]]
 
     def computed(
         self,

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch.profiler import record_function
 
+from torchtitan_dmuon.optim.fused_rows import FusedRows
 from torchtitan_dmuon.optim.newton_schulz import matrix_count
 from torchtitan_dmuon.optim.normuon import AllReduce, normuon_normalize, second_moment_shape
 
@@ -121,6 +122,7 @@ def muon_update(
     nesterov: bool,
     ns: NSFunction,
     unbatched: Collection[tuple[int, int]] = (),
+    fused: Sequence[FusedRows | None] | None = None,
 ) -> MuonUpdate:
     """Momentum and Newton-Schulz of each matrix, out of place: nothing it reads changes,
     so a step that fails here (on any rank) can be abandoned as if it never ran.
@@ -141,6 +143,8 @@ def muon_update(
         ns: The orthogonalization to use (a backend with its schedule bound).
         unbatched: ``(rows, cols)`` shapes whose parameters are orthogonalized one at a
             time (:attr:`~torchtitan_dmuon.optim.ns_choice.NSChoice.unbatched`).
+        fused: Per parameter, the matrices it holds fused along its rows (each one
+            orthogonalized on its own, one at a time), or None; None: none is fused.
 
     Raises:
         ValueError: a parameter is neither 2-D nor 3-D.
@@ -153,7 +157,9 @@ def muon_update(
     if not params:
         return MuonUpdate([], momentum, 0)
     orthogonal: list[torch.Tensor | None] = [None] * len(params)
-    for indices in _batches(params, unbatched):
+    fused = fused or [None] * len(params)
+    plain = [i for i, layout in enumerate(fused) if layout is None]
+    for indices in _batches(params, unbatched, among=plain):
         with record_function("muon::momentum"):
             batch_grads = [grads[i] for i in indices]
             bucket = torch._foreach_lerp(
@@ -172,8 +178,39 @@ def muon_update(
                 ]
         for i, result in zip(indices, results, strict=True):
             orthogonal[i] = result
-    matrices = sum(matrix_count(p.shape) for p in params)
+    for i, layout in enumerate(fused):
+        if layout is not None:
+            orthogonal[i] = _fused_update(
+                grads[i], momentum_buffers[i], layout, momentum=momentum, nesterov=nesterov, ns=ns
+            )
+    matrices = sum(
+        matrix_count(p.shape) if layout is None else len(layout.parts)
+        for p, layout in zip(params, fused, strict=True)
+    )
     return MuonUpdate(orthogonal, momentum, matrices)
+
+
+def _fused_update(
+    grad: torch.Tensor,
+    momentum_buffer: torch.Tensor,
+    layout: FusedRows,
+    *,
+    momentum: float,
+    nesterov: bool,
+    ns: NSFunction,
+) -> torch.Tensor:
+    """The orthogonalized update of one parameter holding fused matrices: its momentum and
+    look-ahead formed whole (element-wise, as for each matrix alone), then each matrix's
+    Newton-Schulz written back into its rows."""
+    with record_function("muon::momentum"):
+        update = momentum_buffer.lerp(grad, 1 - momentum)
+        if nesterov:
+            update = grad.lerp(update, momentum)
+    with record_function("muon::newton_schulz"):
+        result = torch.empty_like(update)
+        for matrix, block in zip(layout.matrices(update), layout.blocks(result), strict=True):
+            block.copy_(ns(matrix).view(block.shape))
+    return result
 
 
 @torch.no_grad()
@@ -189,6 +226,7 @@ def apply_muon_update(
     shapes: Sequence[Sequence[int]] | None = None,
     stepped: Sequence[torch.Tensor] | None = None,
     nonfinite_skipped: bool = False,
+    fused: Sequence[FusedRows | None] | None = None,
 ) -> None:
     """The second phase, in place: ``momentum_buffers`` advanced from ``grads`` as
     :func:`muon_update` formed them, decoupled weight decay, then each orthogonalized
@@ -219,6 +257,8 @@ def apply_muon_update(
             flags False (``found_inf``): non-finite gradient entries and updates are
             read as 0, which changes nothing a step that is taken sees, and keeps a
             skipped one's writes exact.
+        fused: Per parameter, the matrices it holds fused along its rows (each written
+            with its own shape's learning rate), or None; None: none is fused.
     """
     if not params:
         return
@@ -242,10 +282,26 @@ def apply_muon_update(
                 factors = _flag_values(flags, decay, 1.0, bucket[0].dtype)
                 torch._foreach_mul_(bucket, list(factors))
             torch._foreach_mul_(orthogonal, flags)  # exact: a factor 1 or 0
-            # One learning rate per batch: every matrix in it has the same shape.
-            shape = shapes[indices[0]] if shapes is not None else bucket[0].shape
-            alpha = -adjusted_lr(lr, adjust_lr_fn, shape)
-            torch._foreach_add_(bucket, orthogonal, alpha=alpha)
+            # One learning rate per batch: every matrix in it has the same shape; a
+            # parameter of fused matrices is written matrix by matrix, each with its own.
+            layouts = [fused[i] for i in indices] if fused is not None else [None] * len(indices)
+            whole = [k for k, layout in enumerate(layouts) if layout is None]
+            if whole:
+                shape = shapes[indices[whole[0]]] if shapes is not None else bucket[whole[0]].shape
+                alpha = -adjusted_lr(lr, adjust_lr_fn, shape)
+                torch._foreach_add_(
+                    [bucket[k] for k in whole], [orthogonal[k] for k in whole], alpha=alpha
+                )
+            for param, update_, layout in zip(bucket, orthogonal, layouts, strict=True):
+                if layout is None:
+                    continue
+                for target, block, shape in zip(
+                    layout.blocks(param),
+                    layout.blocks(update_),
+                    layout.shapes(param.shape[-1]),
+                    strict=True,
+                ):
+                    target.add_(block, alpha=-adjusted_lr(lr, adjust_lr_fn, shape))
             for i in indices:  # consumed: each batch's updates free as it is written
                 update.orthogonal[i] = None
 
@@ -301,23 +357,29 @@ def _select(
         torch.where(flag, value, target, out=target)
 
 
-def _buckets(params: Sequence[torch.Tensor]) -> dict[tuple, list[int]]:
-    """Indices of ``params`` by (matrix shape, dtype, device)."""
+def _buckets(
+    params: Sequence[torch.Tensor], among: Sequence[int] | None = None
+) -> dict[tuple, list[int]]:
+    """Indices of ``params`` (of those in ``among``; default all) by (matrix shape, dtype,
+    device)."""
     buckets: dict[tuple, list[int]] = defaultdict(list)
-    for i, p in enumerate(params):
+    for i in range(len(params)) if among is None else among:
+        p = params[i]
         buckets[(tuple(p.shape[-2:]), p.dtype, p.device)].append(i)
     return buckets
 
 
 def _batches(
-    params: Sequence[torch.Tensor], unbatched: Collection[tuple[int, int]] = ()
+    params: Sequence[torch.Tensor],
+    unbatched: Collection[tuple[int, int]] = (),
+    among: Sequence[int] | None = None,
 ) -> list[list[int]]:
-    """Indices of ``params`` to orthogonalize together: each bucket of :func:`_buckets` in
-    consecutive runs of at most :data:`NS_BATCH_ELEMENTS` elements (a larger parameter
-    alone: a stack of matrices is never split), each parameter alone where its matrix shape
-    is in ``unbatched``."""
+    """Indices of ``params`` (of those in ``among``; default all) to orthogonalize
+    together: each bucket of :func:`_buckets` in consecutive runs of at most
+    :data:`NS_BATCH_ELEMENTS` elements (a larger parameter alone: a stack of matrices is
+    never split), each parameter alone where its matrix shape is in ``unbatched``."""
     batches = []
-    for (shape, _, _), indices in _buckets(params).items():
+    for (shape, _, _), indices in _buckets(params, among).items():
         if shape in unbatched:
             batches += [[i] for i in indices]
             continue
@@ -352,6 +414,8 @@ class MatrixGroup:
             whose gradient is None); None: all have.
         unbatched: Matrix shapes whose parameters ``ns`` orthogonalizes one at a time
             (see :func:`muon_update`).
+        fused: Per parameter, the matrices it holds fused along its rows, or None
+            (:mod:`~torchtitan_dmuon.optim.fused_rows`); None: none is fused.
     """
 
     keys: Sequence[torch.Tensor]
@@ -363,6 +427,7 @@ class MatrixGroup:
     all_reduce: AllReduce | None = None
     stepped: Sequence[torch.Tensor] | None = None
     unbatched: Collection[tuple[int, int]] = ()
+    fused: Sequence[FusedRows | None] | None = None
 
 
 @dataclass
@@ -399,6 +464,7 @@ def compute_group(
         nesterov=nesterov,
         ns=group.ns,
         unbatched=group.unbatched,
+        fused=group.fused,
     )
     if normuon_beta2 is not None:
         moments = [
@@ -466,5 +532,6 @@ def commit_group(
         shapes=group.shapes,
         stepped=stepped,
         nonfinite_skipped=nonfinite_skipped,
+        fused=group.fused,
     )
     return update.matrices

@@ -113,6 +113,13 @@ class Muon(torch.optim.Optimizer):
                 raise ValueError("qk_clip needs bias_entries: the matrix set's bias layout")
             self._qk_step = QKClipStep(qk_clip, model, matrices, bias_entries)
         check_ns(self.config, self.matrices.device)
+        fused = [n for n, f in zip(matrices.names, matrices.fused, strict=True) if f is not None]
+        if config.variant == "normuon" and fused:
+            raise ValueError(
+                f"variant='normuon': NorMuon normalizes each matrix as a whole, and {fused[0]} "
+                "holds fused matrices (mark_fused_rows): use variant='muon', or unfused "
+                "parameters"
+            )
         muon_ids = {id(p) for p in self.matrices.params}
         adamw_params = [p for p in model.parameters() if p.requires_grad and id(p) not in muon_ids]
         if not self.matrices.params and not adamw_params:
