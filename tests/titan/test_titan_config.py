@@ -41,7 +41,7 @@ def test_unset_lr_and_weight_decay_follow_adjust_lr_fn(caplog):
     assert (given.lr, given.weight_decay) == (0.04, 0.0)
     assert (given.lr_from, given.weight_decay_from) == ("[dmuon] lr", "[dmuon] weight_decay")
 
-    caplog.set_level("INFO", logger="torchtitan_dmuon.titan.optimizer")
+    caplog.set_level("INFO", logger="torchtitan_dmuon.titan.container")
     warmup_then_flat = [0.5] * 10 + [1.0] * 90  # 95 steps at the peak lr, over 100
     log_decay(muon_recipe(DMuon(), 3e-4, 0.1), 3e-4, 0.1, warmup_then_flat)
     decay = ORIGINAL_LR * ORIGINAL_WEIGHT_DECAY

@@ -1,5 +1,7 @@
-"""The adapter's TorchTitan: 0.2.2 is taken, another release is refused by name at the
-adapter's import (not with the first module it lacks), and the engine imports without it."""
+"""Each adapter's TorchTitan: 0.2.2's adapter takes 0.2.2, 0.3's 0.3.0; the other's release
+is refused naming the adapter that serves it, another release naming what to do, at the
+import of the adapter's first module that reads TorchTitan (not with the first module it
+lacks); the engine imports without it."""
 
 import os
 import subprocess
@@ -8,25 +10,41 @@ import sys
 import pytest
 
 from torchtitan_dmuon.titan.version import (
-    SUPPORTED_TORCHTITAN,
+    ADAPTERS,
     UnsupportedTorchTitan,
+    adapter_for,
     check_torchtitan,
 )
 
+TITAN, TITAN03 = "torchtitan_dmuon.titan", "torchtitan_dmuon.titan03"
+
 
 def test_the_installed_torchtitan_is_the_supported_one():
-    assert check_torchtitan() == SUPPORTED_TORCHTITAN == "0.2.2"
-    assert check_torchtitan("0.2.2+git1234") == "0.2.2+git1234"
+    assert ADAPTERS == {"0.2.2": TITAN, "0.3.0": TITAN03}
+    assert check_torchtitan() == "0.2.2"
+    assert check_torchtitan(TITAN, "0.2.2+git1234") == "0.2.2+git1234"
+    assert check_torchtitan(TITAN03, "0.3.0") == "0.3.0"
+    assert adapter_for("0.3.0+git1") == TITAN03 and adapter_for("0.3.1") is None
 
 
-@pytest.mark.parametrize("version", ["0.3.0", "0.2.1", "0.4.0.dev20261201"])
+@pytest.mark.parametrize(
+    "adapter, version, serving", [(TITAN, "0.3.0", TITAN03), (TITAN03, "0.2.2", TITAN)]
+)
+def test_the_other_adapters_release_is_refused_naming_its_adapter(adapter, version, serving):
+    with pytest.raises(UnsupportedTorchTitan) as error:
+        check_torchtitan(adapter, version)
+    message = str(error.value)
+    assert f"TorchTitan {version}, whose adapter is {serving}" in message
+    assert isinstance(error.value, ImportError)
+
+
+@pytest.mark.parametrize("version", ["0.2.1", "0.3.1", "0.4.0.dev20261201"])
 def test_another_release_is_refused_with_what_to_do(version):
     with pytest.raises(UnsupportedTorchTitan) as error:
-        check_torchtitan(version)
+        check_torchtitan(TITAN, version)
     message = str(error.value)
-    assert f"TorchTitan {version}" in message and "0.2.2" in message
+    assert f"TorchTitan {version}, which no adapter" in message and "0.2.2" in message
     assert "dedicate_params" in message and "torchtitan==0.2.2" in message
-    assert isinstance(error.value, ImportError)
 
 
 def _fake_torchtitan(root, version):
@@ -46,12 +64,23 @@ def _python(code, tmp_path):
     )
 
 
-def test_torchtitan_0_3_is_refused_at_the_adapter_import_and_the_engine_still_imports(tmp_path):
+@pytest.mark.parametrize(
+    "module", ["torchtitan_dmuon.titan.train", "torchtitan_dmuon.titan.optimizer"]
+)
+def test_torchtitan_0_3_is_refused_by_the_0_2_adapter_and_the_engine_still_imports(
+    module, tmp_path
+):
     _fake_torchtitan(tmp_path, "0.3.0")
     engine = _python("import torchtitan_dmuon, torchtitan; print(torchtitan.__file__)", tmp_path)
     assert engine.returncode == 0, engine.stderr
     assert engine.stdout.strip().startswith(str(tmp_path))  # the fake one was the one seen
-    adapter = _python("import torchtitan_dmuon.titan", tmp_path)
+    # The package itself, and its TorchTitan-free modules, import: the 0.3 adapter uses them.
+    shared = _python(
+        "import torchtitan_dmuon.titan.config, torchtitan_dmuon.titan.patches", tmp_path
+    )
+    assert shared.returncode == 0, shared.stderr
+    adapter = _python(f"import {module}", tmp_path)
     assert adapter.returncode == 1
     assert "UnsupportedTorchTitan" in adapter.stderr and "TorchTitan 0.3.0" in adapter.stderr
+    assert "torchtitan_dmuon.titan03" in adapter.stderr
     assert "ModuleNotFoundError" not in adapter.stderr

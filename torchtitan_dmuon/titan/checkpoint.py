@@ -34,6 +34,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
+
+import torchtitan_dmuon.titan.checked  # noqa: F401 - before TorchTitan: refuses another release
+
+# isort: split
+
 from torchtitan.components.checkpoint import OPTIMIZER, ModelWrapper
 from torchtitan.components.lr_scheduler import LRSchedulersContainer
 

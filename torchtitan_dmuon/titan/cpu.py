@@ -44,7 +44,12 @@ from torchtitan_dmuon.titan.patches import PatchRegistry
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["enable_cpu_support"]
+__all__ = [
+    "cpu_device_module",
+    "disable_fsdp_gradient_division_with_sum",
+    "enable_cpu_support",
+    "refuse_unused_gpus",
+]
 
 
 def _process_memory_stats(*args, **kwargs) -> dict[str, int]:
@@ -54,7 +59,8 @@ def _process_memory_stats(*args, **kwargs) -> dict[str, int]:
     return {"active_bytes.all.peak": peak, "reserved_bytes.all.peak": peak}
 
 
-def _cpu_device_module() -> types.SimpleNamespace:
+def cpu_device_module() -> types.SimpleNamespace:
+    """The functions of a ``device_module`` TorchTitan calls, for the CPU."""
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return types.SimpleNamespace(
         set_device=lambda *args, **kwargs: None,
@@ -69,7 +75,7 @@ def _cpu_device_module() -> types.SimpleNamespace:
     )
 
 
-def _disable_fsdp_gradient_division_with_sum(model: nn.Module) -> None:
+def disable_fsdp_gradient_division_with_sum(model: nn.Module) -> None:
     """TorchTitan's ``disable_fsdp_gradient_division``, reducing with SUM (gloo)."""
     for module in model.modules():
         if isinstance(module, FSDPModule):
@@ -163,16 +169,12 @@ def _unused_nvidia_gpus() -> int:
     return sum(line.startswith("GPU ") for line in listed.stdout.splitlines())
 
 
-def enable_cpu_support(patches: PatchRegistry) -> bool:
-    """Apply the CPU layer through ``patches`` if there is no CUDA device. Returns whether
-    it is active.
+def refuse_unused_gpus() -> None:
+    """Refuse to train on the CPUs of a machine whose NVIDIA GPUs torch cannot use.
 
     Raises:
-        RuntimeError: The machine has NVIDIA GPUs that this torch cannot use (a CPU build,
-            or one without a matching driver), unless ``DMUON_ALLOW_CPU=1``.
+        RuntimeError: ``nvidia-smi -L`` lists GPUs, ``DMUON_ALLOW_CPU`` is not 1.
     """
-    if torch.cuda.is_available():
-        return False
     gpus = _unused_nvidia_gpus()
     if gpus and os.environ.get(ALLOW_CPU_ENV) != "1":
         raise RuntimeError(
@@ -183,6 +185,19 @@ def enable_cpu_support(patches: PatchRegistry) -> bool:
             f"https://download.pytorch.org/whl/cu128), or set {ALLOW_CPU_ENV}=1 to train on "
             "the CPUs"
         )
+
+
+def enable_cpu_support(patches: PatchRegistry) -> bool:
+    """Apply the CPU layer through ``patches`` if there is no CUDA device. Returns whether
+    it is active.
+
+    Raises:
+        RuntimeError: The machine has NVIDIA GPUs that this torch cannot use (a CPU build,
+            or one without a matching driver), unless ``DMUON_ALLOW_CPU=1``.
+    """
+    if torch.cuda.is_available():
+        return False
+    refuse_unused_gpus()
     import torchtitan.components.metrics as metrics
     import torchtitan.distributed.parallel_dims as parallel_dims
     import torchtitan.distributed.utils as dist_utils
@@ -193,7 +208,7 @@ def enable_cpu_support(patches: PatchRegistry) -> bool:
     import torchtitan.tools.utils as tools_utils
     from torchtitan.models.qwen3 import qwen3_args
 
-    device_module = _cpu_device_module()
+    device_module = cpu_device_module()
     for module in (tools_utils, dist_utils, metrics):
         patches.setattr(module, "device_type", "cpu")
         patches.setattr(module, "device_module", device_module)
@@ -212,7 +227,7 @@ def enable_cpu_support(patches: PatchRegistry) -> bool:
         fsdp_modules.append(vlm_par)
     for module in fsdp_modules:
         patches.setattr(
-            module, "disable_fsdp_gradient_division", _disable_fsdp_gradient_division_with_sum
+            module, "disable_fsdp_gradient_division", disable_fsdp_gradient_division_with_sum
         )
     patches.setattr(torch, "histc", _histc_any_dtype(torch.histc))
     patches.setattr(

@@ -48,7 +48,9 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "DMUON",
     "clean_fqn",
+    "dedicate_part",
     "dmuon_settings",
+    "keep_settings",
     "linear_selection",
     "muon_predicate",
     "resolve_selection",
@@ -73,6 +75,12 @@ def dmuon_settings(model: nn.Module) -> DMuon:
             "this model part was not dedicated"
         )
     return _SETTINGS[model]
+
+
+def keep_settings(model: nn.Module, settings: DMuon) -> None:
+    """Record the ``[dmuon]`` section of a model part that no dedication holds (one
+    data-parallel rank: plain Muon + AdamW), for :func:`dmuon_settings`."""
+    _SETTINGS[model] = settings
 
 
 def clean_fqn(name: str) -> str:
@@ -134,13 +142,14 @@ def linear_selection(model: nn.Module) -> list[str]:
     return patterns
 
 
-def resolve_selection(model: nn.Module, job_config) -> DMuon:
+def resolve_selection(model: nn.Module, job_config, selections=MODEL_SELECTIONS) -> DMuon:
     """``job_config.dmuon`` with the model's default selection filled in where ``params``
     is empty (its ``MODEL_SELECTIONS`` entry, else :func:`linear_selection`, logged),
     checked on the whole model (a pipeline stage holds only a part of it, so there this
     runs before the split): every given pattern must match something.
     ``job_config.dmuon`` becomes the resolved section, so each part and the optimizer
-    read one selection.
+    read one selection. ``selections``: the models' own selections (TorchTitan 0.2.2's
+    names; the 0.3 adapter's models take the default).
 
     Raises:
         ValueError: A pattern matches nothing, naming the model and its default selection,
@@ -150,7 +159,7 @@ def resolve_selection(model: nn.Module, job_config) -> DMuon:
     params = [name for name, _ in model.named_parameters()]
     modules = [name for name, _ in model.named_modules()]
     model_name = f"{job_config.model.name} ({job_config.model.flavor})"
-    default = MODEL_SELECTIONS.get(job_config.model.name)
+    default = selections.get(job_config.model.name)
     own = default is not None
     if not own:
         default = ModelSelection(tuple(linear_selection(model)))
@@ -250,6 +259,20 @@ def _dedicate(
         shard_mesh, replicate_mesh = mesh["fsdp"], mesh["dp_replicate"]
     else:
         shard_mesh, replicate_mesh = mesh, None
+    dedicate_part(model, shard_mesh, replicate_mesh, settings, z3, expert_mesh)
+
+
+def dedicate_part(
+    model: nn.Module,
+    shard_mesh: DeviceMesh,
+    replicate_mesh: DeviceMesh | None,
+    settings: DMuon,
+    z3: bool,
+    expert_mesh: DeviceMesh | None = None,
+) -> None:
+    """``dedicate_params`` on a model part as either TorchTitan trains it (gradients summed
+    over ranks, the loss divided by the global token count), sized to the plan at
+    materialization, its ``[dmuon]`` settings kept for :func:`dmuon_settings`."""
     dedicate_params(
         model,
         shard_mesh,

@@ -32,6 +32,11 @@ import math
 
 import torch
 import torch.distributed as dist
+
+import torchtitan_dmuon.titan.checked  # noqa: F401 - before TorchTitan: refuses another release
+
+# isort: split
+
 import torchtitan.distributed.utils as dist_utils
 import torchtitan.protocols.train_spec as train_spec_module
 from torchtitan.components.checkpoint import LR_SCHEDULER, MODEL, OPTIMIZER
