@@ -14,6 +14,13 @@
 # would silently keep the first); every other argument is passed to TorchTitan as an
 # override.
 #
+# TorchTitan 0.3 (TORCHTITAN_VERSION=0.3.0, its own venv, set up on first use):
+#   TORCHTITAN_VERSION=0.3.0 ./run_train.sh         # --module torchtitan_dmuon.titan03
+#                                                   # --config llama3_debug_cpu
+#   TORCHTITAN_VERSION=0.3.0 ./run_train.sh --module M --config F --section.key value ...
+# (0.3 has no TOML; --module torchtitan_dmuon.titan03 --config <any TorchTitan config
+# function> is that config with DMuon: docs/torchtitan-0.3.md.)
+#
 # Several nodes (run the same command on each, as multinode_trainer.slurm does):
 #   NNODES: the number of nodes (default 1: this machine alone).
 #   NODE_RANK with MASTER_ADDR (and MASTER_PORT, default 29500): a static rendezvous; node
@@ -23,6 +30,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cd "$ROOT"
+source scripts/torchtitan_env.sh # TORCHTITAN_VERSION, VENV
 
 CONFIG_FILE="${CONFIG_FILE:-train_configs/debug_cpu.toml}"
 overrides=()
@@ -31,10 +39,12 @@ while [[ $# -gt 0 ]]; do
     --job.config_file | --job.config-file)
       [[ $# -ge 2 ]] || { echo "run_train.sh: $1 needs a file" >&2; exit 2; }
       CONFIG_FILE="$2"
+      config_file_given=1
       shift 2
       ;;
     --job.config_file=* | --job.config-file=*)
       CONFIG_FILE="${1#*=}"
+      config_file_given=1
       shift
       ;;
     --job.custom_config_module | --job.custom-config-module | --job.custom_config_module=* | --job.custom-config-module=*)
@@ -48,9 +58,23 @@ while [[ $# -gt 0 ]]; do
       ;;
   esac
 done
-# The [dmuon] section comes from TorchTitan's custom_config_module mechanism.
-[[ -n "${config_module_given:-}" ]] || overrides+=(--job.custom_config_module torchtitan_dmuon.titan.config)
-[[ -f "$CONFIG_FILE" ]] || { echo "run_train.sh: config file not found: $CONFIG_FILE" >&2; exit 2; }
+if [[ "$TORCHTITAN_VERSION" == 0.3.0 ]]; then
+  # TorchTitan 0.3's own entry point; a config module names the job.
+  if [[ -n "${config_file_given:-}" ]]; then
+    echo "run_train.sh: TORCHTITAN_VERSION=0.3.0: TorchTitan 0.3 has no TOML job config" \
+      "(--job.config_file); name a config function: --module torchtitan_dmuon.titan03" \
+      "--config <a TorchTitan config function, e.g. llama3_debugmodel> (docs/torchtitan-0.3.md)" >&2
+    exit 2
+  fi
+  [[ " ${overrides[*]-} " =~ [[:space:]]--module[=[:space:]] ]] || overrides=(--module torchtitan_dmuon.titan03 ${overrides[@]+"${overrides[@]}"})
+  [[ " ${overrides[*]-} " =~ [[:space:]]--config[=[:space:]] ]] || overrides+=(--config llama3_debug_cpu)
+  entry=(-m torchtitan.train)
+else
+  # The [dmuon] section comes from TorchTitan's custom_config_module mechanism.
+  [[ -n "${config_module_given:-}" ]] || overrides+=(--job.custom_config_module torchtitan_dmuon.titan.config)
+  [[ -f "$CONFIG_FILE" ]] || { echo "run_train.sh: config file not found: $CONFIG_FILE" >&2; exit 2; }
+  entry=(-m torchtitan_dmuon.titan.train --job.config_file "$CONFIG_FILE")
+fi
 
 if [[ -z "${NGPU:-}" ]]; then
   if [[ -n "${CUDA_VISIBLE_DEVICES:-}" ]]; then
@@ -85,7 +109,6 @@ if [[ "$NNODES" -gt 1 && -n "${NCCL_SOCKET_IFNAME:-}" ]]; then
   export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-$NCCL_SOCKET_IFNAME}"
 fi
 
-VENV="${DMUON_VENV:-$ROOT/.venv}"
 # As TorchTitan's run_train.sh: fewer out-of-memory errors from fragmentation on CUDA.
 export PYTORCH_ALLOC_CONF="${PYTORCH_ALLOC_CONF:-expandable_segments:True}"
 if [[ -n "${COMM_MODE:-}" ]]; then
@@ -96,17 +119,17 @@ if [[ -n "${COMM_MODE:-}" ]]; then
   # would count (the 8B dry run at 1024 with owner groups: 13.6 GiB, 8.8 GiB with this).
   export MALLOC_MMAP_THRESHOLD_="${MALLOC_MMAP_THRESHOLD_:-1048576}"
   export LOCAL_RANK=0 NGPU
-  command=("$VENV/bin/python" -m torchtitan_dmuon.titan.train --job.config_file "$CONFIG_FILE"
+  command=("$VENV/bin/python" "${entry[@]}"
     ${overrides[@]+"${overrides[@]}"} --comm.mode "$COMM_MODE" --training.steps 1)
 else
   command=("$VENV/bin/torchrun" --nproc_per_node="$NGPU" "${launch[@]}"
     --local-ranks-filter "${LOG_RANK:-0}" --role rank --tee 3
-    -m torchtitan_dmuon.titan.train --job.config_file "$CONFIG_FILE" ${overrides[@]+"${overrides[@]}"})
+    "${entry[@]}" ${overrides[@]+"${overrides[@]}"})
 fi
 echo "run_train.sh: NGPU=$NGPU PYTORCH_ALLOC_CONF=$PYTORCH_ALLOC_CONF ${command[*]}" >&2
 # TorchTitan's HF backend imports transformers, which the other models do not need.
 hf_backend=transformers_modeling_backend
-if grep -Eq "^[[:space:]]*name[[:space:]]*=[[:space:]]*\"$hf_backend\"" "$CONFIG_FILE" \
+if [[ "$TORCHTITAN_VERSION" == 0.2.2 ]] && grep -Eq "^[[:space:]]*name[[:space:]]*=[[:space:]]*\"$hf_backend\"" "$CONFIG_FILE" \
     || [[ " ${overrides[*]-} " =~ [[:space:]]--model\.name[=[:space:]]$hf_backend[[:space:]] ]]; then
   ./scripts/setup.sh --hf
 else

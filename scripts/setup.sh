@@ -6,6 +6,11 @@
 #                            asks for it when the config trains transformers_modeling_backend)
 #   scripts/setup.sh --dev   also the test, benchmark, HF-backend (transformers), VLM
 #                            (einops, Pillow) and peer extras (run_tests.sh's)
+#   TORCHTITAN_VERSION=0.3.0 scripts/setup.sh [--dev]
+#                            the same beside TorchTitan 0.3.0 (its adapter,
+#                            torchtitan_dmuon.titan03) in its own venv,
+#                            .venvs/torchtitan-0.3.0, with torch 2.14.1 and
+#                            scripts/constraints-0.3.0.txt (--dev: the test extra)
 #
 # Creates .venv if absent and installs the project editable.
 # torch is installed first and then frozen with a constraint, so that no later
@@ -20,23 +25,41 @@
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="${DMUON_VENV:-$ROOT/.venv}"
+source "$ROOT/scripts/torchtitan_env.sh" # TORCHTITAN_VERSION, VENV
+case "$TORCHTITAN_VERSION" in
+  0.2.2)
+    CONSTRAINTS="$ROOT/scripts/constraints.txt"
+    TORCH_CPU_VERSION="2.13.0"
+    # The CPU wheel requires no triton, which torchtitan imports.
+    TRITON_CPU_VERSION="3.9.0"
+    # pyproject.toml's range (docs/python.md's "Install into another project" says why):
+    # from 2.11, what GPU images ship (the GPU check machine's 2.11+cu130), checked
+    # against the package's torch calls (docs/gpu.md); below 2.15, as the engine reads
+    # FSDP2 internals that a later torch may move. CPU machines get TORCH_CPU_VERSION.
+    TORCH_SUPPORTED=">=2.11,<2.15"
+    TORCH_RELEASES="2.11 2.12 2.13 2.14"
+    DEV_EXTRAS="[test,bench,hf,vlm,peer-muon-fsdp2,peer-dtensor-muon]"
+    ;;
+  0.3.0)
+    CONSTRAINTS="$ROOT/scripts/constraints-0.3.0.txt"
+    # The CUDA build on disk (it runs on the CPU; it brings its triton): 0.3.0's default
+    # backend needs FSDP2's DataParallelMeshDims (torch 2.14).
+    TORCH_CPU_VERSION="2.14.1"
+    TRITON_CPU_VERSION=""
+    TORCH_SUPPORTED=">=2.14,<2.15"
+    TORCH_RELEASES="2.14"
+    DEV_EXTRAS="[test]"
+    ;;
+esac
 PY="$VENV/bin/python"
 STAMP="$VENV/.dmuon-setup-stamp"
-TORCH_CPU_VERSION="2.13.0"
-TRITON_CPU_VERSION="3.9.0"
-# pyproject.toml's range (docs/python.md's "Install into another project" says why): from
-# 2.11, what GPU images ship (the GPU check machine's 2.11+cu130), checked against the
-# package's torch calls (docs/gpu.md); below 2.15, as the engine reads FSDP2 internals
-# that a later torch may move. CPU machines get TORCH_CPU_VERSION.
-TORCH_SUPPORTED=">=2.11,<2.15"
 
 log() { echo "[setup] $*" >&2; }
 
 case "${1:-}" in
   "") kind=train; extras="" ;;
   --hf) kind=hf; extras="[hf]" ;;
-  --dev) kind=dev; extras="[test,bench,hf,vlm,peer-muon-fsdp2,peer-dtensor-muon]" ;;
+  --dev) kind=dev; extras="$DEV_EXTRAS" ;;
   *) echo "[setup] unknown argument '$1' (expected nothing, --hf or --dev)" >&2; exit 2 ;;
 esac
 
@@ -58,7 +81,7 @@ fi
 # Re-run only when the project's dependency list changed since the last setup (or the
 # extras are wanted and were not installed). Contents only (not paths), so that
 # checkouts in other folders share one stamp.
-want_stamp="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup.sh" "$ROOT/scripts/constraints.txt" \
+want_stamp="$( (cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup.sh" "$CONSTRAINTS"; echo "$TORCHTITAN_VERSION") \
   | sha256sum | cut -d' ' -f1)"
 have_stamp="$(cat "$STAMP" 2>/dev/null || true)"
 ASSETS="$ROOT/assets"
@@ -106,20 +129,23 @@ fi
 # The CPU torch wheel does not require triton and nothing else here does: it installs
 # (~1 GB unpacked) beside the project's dependencies, not before them.
 triton_pid=""
-if [[ "$has_gpu" == 0 ]]; then
+if [[ "$has_gpu" == 0 && -n "$TRITON_CPU_VERSION" ]]; then
   "${PIP[@]}" install "triton==$TRITON_CPU_VERSION" &
   triton_pid=$!
 fi
 
 torch_now="$("$PY" -c 'import torch; print(torch.__version__)')"
-case "$torch_now" in
-  2.11.* | 2.12.* | 2.13.* | 2.14.*) ;;
-  *) echo "[setup] torch $torch_now is not supported (need torch$TORCH_SUPPORTED: 2.11 to 2.14)" >&2; exit 1 ;;
-esac
+if [[ " $TORCH_RELEASES " != *" $(cut -d. -f1,2 <<<"$torch_now") "* ]]; then
+  echo "[setup] torch $torch_now is not supported beside TorchTitan $TORCHTITAN_VERSION" \
+    "(need torch$TORCH_SUPPORTED: $TORCH_RELEASES)" >&2
+  exit 1
+fi
 constraints="$(mktemp)"
 trap 'rm -f "$constraints"' EXIT
-echo "torch==$torch_now" >"$constraints"
-cat "$ROOT/scripts/constraints.txt" >>"$constraints" # the tested versions (TorchTitan 0.2.2)
+# Its public version: a local label (+cu130) is above the cap pip may have (torch<=2.14.1).
+echo "torch==${torch_now%%+*}" >"$constraints"
+# The tested versions beside this TorchTitan (but the torch found, kept).
+grep -v '^torch==' "$CONSTRAINTS" >>"$constraints"
 
 log "installing torchtitan-dmuon$extras (editable) around torch $torch_now"
 "${PIP[@]}" install -c "$constraints" -e "$ROOT$extras"

@@ -60,6 +60,32 @@ def test_the_engine_imports_no_torchtitan_or_adapter():
     assert _violations("engine", forbidden) == []
 
 
+def test_the_0_3_adapter_reads_none_of_the_0_2_adapters_torchtitan_modules():
+    """``titan03`` shares the TorchTitan-free modules of ``titan`` (the ``[dmuon]`` section,
+    the selection rules, the container's methods, the patch registry) and reaches, at any
+    depth, none of those that import TorchTitan 0.2.2 (each refuses 0.3 at its import)."""
+    graph = _imports()
+    only_0_2 = {
+        f"torchtitan_dmuon.titan.{m}"
+        for m in ("checked", "spec", "train", "optimizer", "checkpoint")
+    }
+    for module in only_0_2:
+        assert "torchtitan_dmuon.titan.checked" in graph[module] | {module}, module
+    adapter = [m for m in graph if m.startswith("torchtitan_dmuon.titan03")]
+    assert len(adapter) >= 5
+    # The package's own __init__ imports spec only when its names are asked for.
+    lazy = "torchtitan_dmuon.titan"
+    assert {m for m in graph[lazy] if m.startswith("torchtitan")} == {f"{lazy}.spec"}
+    seen, todo = set(), list(adapter)
+    while todo:
+        module = todo.pop()
+        for target in graph.get(module, ()) if module != lazy else ():
+            if target not in seen:
+                seen.add(target)
+                todo.append(target)
+    assert sorted(seen & only_0_2) == []
+
+
 def test_no_module_imports_one_that_imports_it_back():
     graph = _imports()
     # A package's __init__ re-exports its modules: an import of the package is not a

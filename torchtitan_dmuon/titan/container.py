@@ -44,7 +44,14 @@ from torchtitan_dmuon.titan.qk_clip import build_qk_clip
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DMuonContainer", "build_muon", "decay_kept", "log_decay", "schedule_factors"]
+__all__ = [
+    "DMuonContainer",
+    "build_muon",
+    "decay_kept",
+    "log_decay",
+    "log_recipe",
+    "schedule_factors",
+]
 
 _MAX_UNLOGGED = 1000
 """Steps whose norms wait for a logging step at most (a loop that never logs reads them
@@ -100,6 +107,18 @@ def log_decay(
                 "unmeasured there",
                 who, kept, steps, lr, wd, DECAY_KEPT_BOUND,
             )  # fmt: skip
+
+
+def log_recipe(model: nn.Module, optimizer_config, lr_schedulers, steps: int) -> None:
+    """:func:`log_decay` of the recipe a model part trains with: its ``[dmuon]`` section
+    and the AdamW settings of ``optimizer_config``, over the run's lr schedule."""
+    lr, weight_decay = optimizer_config.lr, optimizer_config.weight_decay
+    log_decay(
+        muon_recipe(dmuon_settings(model), lr, weight_decay),
+        lr,
+        weight_decay,
+        schedule_factors(lr_schedulers, steps),
+    )
 
 
 def build_muon(model: nn.Module, optimizer_config, parallel_dims) -> Muon:

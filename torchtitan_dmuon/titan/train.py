@@ -51,10 +51,9 @@ from torchtitan_dmuon.titan.checkpoint import (
     claim_checkpoint_folder,
     optimizer_state_to_load,
 )
-from torchtitan_dmuon.titan.config import muon_recipe
+from torchtitan_dmuon.titan.container import log_recipe
 from torchtitan_dmuon.titan.cpu import enable_cpu_support
-from torchtitan_dmuon.titan.optimizer import log_decay, schedule_factors
-from torchtitan_dmuon.titan.parallelize import DMUON, dmuon_settings
+from torchtitan_dmuon.titan.parallelize import DMUON
 from torchtitan_dmuon.titan.patches import PatchRegistry
 from torchtitan_dmuon.titan.plan_report import step_counts
 
@@ -100,12 +99,8 @@ class DMuonTrainer(Trainer):
         self.checkpointer.states[LR_SCHEDULER] = LRSchedulersWrapper(self.lr_schedulers)
         if job_config.optimizer.name != DMUON:
             return
-        adamw = job_config.optimizer
-        log_decay(
-            muon_recipe(dmuon_settings(self.model_parts[0]), adamw.lr, adamw.weight_decay),
-            adamw.lr,
-            adamw.weight_decay,
-            schedule_factors(self.lr_schedulers, job_config.training.steps),
+        log_recipe(
+            self.model_parts[0], job_config.optimizer, self.lr_schedulers, job_config.training.steps
         )
         # None for a part with one data-parallel rank (plain Muon + AdamW).
         self.dedications = [d for d in map(get_dedication, self.model_parts) if d is not None]
