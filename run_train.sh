@@ -18,8 +18,10 @@
 #   TORCHTITAN_VERSION=0.3.0 ./run_train.sh         # --module torchtitan_dmuon.titan03
 #                                                   # --config llama3_debug_cpu
 #   TORCHTITAN_VERSION=0.3.0 ./run_train.sh --module M --config F --section.key value ...
-# (0.3 has no TOML; --module torchtitan_dmuon.titan03 --config <any TorchTitan config
-# function> is that config with DMuon: docs/torchtitan-0.3.md.)
+#   TORCHTITAN_VERSION=0.3.0 ./run_train.sh --job.config_file X.toml ...   # translated
+# (--module torchtitan_dmuon.titan03 --config <any TorchTitan config function> is that
+# config with DMuon; 0.3 reads no TOML: a file's keys go where 0.3 keeps them, and one 0.3
+# does not have is refused by name: docs/torchtitan-0.3.md.)
 #
 # Several nodes (run the same command on each, as multinode_trainer.slurm does):
 #   NNODES: the number of nodes (default 1: this machine alone).
@@ -59,12 +61,12 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 if [[ "$TORCHTITAN_VERSION" == 0.3.0 ]]; then
-  # TorchTitan 0.3's own entry point; a config module names the job.
+  # TorchTitan 0.3's own entry point; a config module names the job. A TOML file (0.3 reads
+  # none) is translated onto 0.3's config by the config function from_toml (titan03/toml.py).
   if [[ -n "${config_file_given:-}" ]]; then
-    echo "run_train.sh: TORCHTITAN_VERSION=0.3.0: TorchTitan 0.3 has no TOML job config" \
-      "(--job.config_file); name a config function: --module torchtitan_dmuon.titan03" \
-      "--config <a TorchTitan config function, e.g. llama3_debugmodel> (docs/torchtitan-0.3.md)" >&2
-    exit 2
+    [[ -f "$CONFIG_FILE" ]] || { echo "run_train.sh: config file not found: $CONFIG_FILE" >&2; exit 2; }
+    export TORCHTITAN_DMUON_CONFIG_FILE="$CONFIG_FILE"
+    overrides=(--module torchtitan_dmuon.titan03 --config from_toml ${overrides[@]+"${overrides[@]}"})
   fi
   [[ " ${overrides[*]-} " =~ [[:space:]]--module[=[:space:]] ]] || overrides=(--module torchtitan_dmuon.titan03 ${overrides[@]+"${overrides[@]}"})
   [[ " ${overrides[*]-} " =~ [[:space:]]--config[=[:space:]] ]] || overrides+=(--config llama3_debug_cpu)

@@ -4,7 +4,8 @@
 ``<name>`` of any of its models (``llama3_debugmodel``, ``qwen3_debugmodel``, ...) turned
 by :func:`~torchtitan_dmuon.titan03.trainer.with_dmuon`; ``llama3_debug_cpu`` is the run
 ``TORCHTITAN_VERSION=0.3.0 ./run_train.sh`` makes: the debug llama3 on the offline corpus
-``scripts/setup.sh`` builds, as ``train_configs/debug_cpu.toml`` for 0.2.2.
+``scripts/setup.sh`` builds, as ``train_configs/debug_cpu.toml`` for 0.2.2; ``from_toml``
+a TOML job (``titan03/toml.py``).
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from torchtitan.models import _supported_models
 from torchtitan.models.llama3 import config_registry as llama3_registry
 
 from torchtitan_dmuon.titan.config import DMuon
+from torchtitan_dmuon.titan03.toml import from_toml
 from torchtitan_dmuon.titan03.trainer import DMuonTrainer, with_dmuon
 
-__all__ = ["llama3_debug_cpu"]
+__all__ = ["from_toml", "llama3_debug_cpu"]
 
 
 def llama3_debug_cpu() -> DMuonTrainer.Config:
