@@ -16,7 +16,7 @@
 # torch is installed first and then frozen with a constraint, so that no later
 # requirement can swap it: on a machine without an NVIDIA GPU that is the CPU build
 # of torch 2.13.0 (plus triton 3.9.0, which torchtitan imports); on a CUDA machine
-# the CUDA torch already present (2.11 to 2.14: TORCH_SUPPORTED) is kept and everything
+# the CUDA torch already present (TORCH_SUPPORTED: 2.11 to 2.14 beside TorchTitan 0.2.2) is kept and everything
 # is installed around it, or, where there is none, torch is installed from
 # DMUON_TORCH_INDEX_URL (default: the package index; e.g.
 # https://download.pytorch.org/whl/cu128 for CUDA 12.8 wheels).
@@ -32,10 +32,9 @@ case "$TORCHTITAN_VERSION" in
     TORCH_CPU_VERSION="2.13.0"
     # The CPU wheel requires no triton, which torchtitan imports.
     TRITON_CPU_VERSION="3.9.0"
-    # pyproject.toml's range (docs/python.md's "Install into another project" says why):
-    # from 2.11, what GPU images ship (the GPU check machine's 2.11+cu130), checked
-    # against the package's torch calls (docs/gpu.md); below 2.15, as the engine reads
-    # FSDP2 internals that a later torch may move. CPU machines get TORCH_CPU_VERSION.
+    # The torch releases TorchTitan 0.2.2's trainer is tested with, from 2.11, what GPU
+    # images ship (docs/troubleshooting.md#versions: why; the engine alone takes 2.15
+    # too). CPU machines get TORCH_CPU_VERSION.
     TORCH_SUPPORTED=">=2.11,<2.15"
     TORCH_RELEASES="2.11 2.12 2.13 2.14"
     DEV_EXTRAS="[test,bench,hf,vlm,peer-muon-fsdp2,peer-dtensor-muon]"

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs the package on another supported torch than CI's, on this CPU machine:
 #
-#   scripts/torch_check.sh VERSION OUT_DIR      e.g. 2.11.0 (the GPU machine's +cu130 build)
-#                                               or 2.14.1 (a CUDA build that lies on disk)
+#   scripts/torch_check.sh VERSION OUT_DIR      e.g. 2.11.0 (the GPU machine's +cu130 build),
+#                                               2.14.1 (a CUDA build that lies on disk)
+#                                               or 2.15.0 (from the index, past pip's cap)
 #
 # 1. A venv with that torch (${DMUON_TORCH_VENVS:-.venvs}/torch-VERSION, made once, ~4.7 GB for
 #    2.11.0: a CUDA build runs on a machine without a GPU, torch.cuda.is_available() False),
@@ -36,6 +37,12 @@ if [[ ! -f "$venv/.dmuon-ready" ]]; then
   rm -rf "$venv"
   python3 -m venv "$venv" || exit 1
   pip=("$PY" -m pip --disable-pip-version-check -q)
+  # A torch above the cap the machine's pip config sets (/etc/xdg/pip: torch<=2.14.1, the
+  # releases on its disk), 2.15 say, comes from the index: this venv's installs set that
+  # config aside (the machine's file stays as it is).
+  if [[ "$(printf '%s\n' "$version" 2.14.1 | sort -V | tail -1)" != 2.14.1 ]]; then
+    pip=(env PIP_CONFIG_FILE=/dev/null "${pip[@]}")
+  fi
   "${pip[@]}" install "torch==$version" || exit 1
   constraints="$(mktemp)"
   # The public version: a local label (+cu130) in a constraint matches no candidate.

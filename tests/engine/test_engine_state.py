@@ -12,6 +12,7 @@ from tests.support.dist import run_distributed
 from tests.support.models import make_model, proj_predicate
 from tests.support.workers import train_configs, train_reference
 from torchtitan_dmuon import Muon
+from torchtitan_dmuon.engine import fsdp
 
 STEPS = 8
 # FSDP2's recovery after a pass that raised half-way (torch >= 2.13; the engine refuses it
@@ -84,8 +85,9 @@ def test_backward_failing_half_way_hsdp_async():
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_mixed_precision_reduce_dtype_default_bf16_and_fp32(world):
-    """FSDP2's default MixedPrecisionPolicy(param_dtype=bf16) reduces in bf16 (reduce_dtype
-    None); the owner accumulates in its fp32 master dtype whatever the reduce dtype."""
+    """FSDP2's default MixedPrecisionPolicy(param_dtype=bf16) (reduce_dtype None) reduces in
+    bf16 up to torch 2.14 and in the parameters' fp32 from 2.15, and so do the dedicated
+    gradients; the owner accumulates in its fp32 master dtype whatever the reduce dtype."""
     policies = {
         "default": MixedPrecisionPolicy(param_dtype=torch.bfloat16),
         "bf16": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16),
@@ -104,7 +106,8 @@ def test_mixed_precision_reduce_dtype_default_bf16_and_fp32(world):
             assert torch.equal(z3["params"][name], z2["params"][name]), (kind, name)
         assert z3["losses"] == pytest.approx(full["losses"], rel=3e-2), kind
         assert z3["params"]["layers.0.q_proj.weight"].dtype == torch.float32
-        reduce_itemsize = 4 if kind == "fp32" else 2
+        fp32 = kind == "fp32" or (kind == "default" and fsdp.REDUCES_IN_PARAM_DTYPE)
+        reduce_itemsize = 4 if fp32 else 2
         assert z3["collectives"][1]["bytes"]["reduce"] == (numel + 12) * reduce_itemsize, kind
 
 

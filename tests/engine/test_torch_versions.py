@@ -1,15 +1,16 @@
 """What the engine reads of FSDP2 differs between the torch versions it supports (2.11 to
-2.14): each difference is read through one helper, tested here with 2.11's shapes."""
+2.15): each difference is read through one helper, tested here with 2.11's shapes, and
+each FSDP2 rule that 2.15 changed is checked against the FSDP2 of the torch running it."""
 
 from types import SimpleNamespace
 
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from tests.support.dist import run_distributed
-from tests.support.models import make_model
+from tests.support.models import batch, loss_fn, make_model
 from torchtitan_dmuon.engine import fsdp
 
 
@@ -93,3 +94,89 @@ def test_collective_counter_wraps_only_what_this_torch_has(monkeypatch):
     assert counter.snapshot() == {"bytes": {}, "calls": {}}
     for module, names in before.items():
         assert dict(vars(module)) == names
+
+
+# ---- FSDP2's rules that torch 2.15 changed: each test checks the rule the engine
+# encodes against the FSDP2 of the torch running it (2.13 and 2.14 here; 2.15 through
+# scripts/torch_check.sh 2.15.0).
+
+
+def reduce_dtype_worker(rank, world):
+    import torch.distributed as dist
+
+    from torchtitan_dmuon.engine.unit import unit_dtypes
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = make_model(seed=0)  # fp32 parameters
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)  # reduce_dtype None
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    seen = []
+    names = [n for n in ("reduce_scatter_single", "reduce_scatter_tensor") if hasattr(dist, n)]
+    originals = {n: getattr(dist, n) for n in names}
+
+    def recording(name):
+        def reduce_scatter(output, input, *args, **kwargs):
+            seen.append(input.dtype)
+            return originals[name](output, input, *args, **kwargs)
+
+        return reduce_scatter
+
+    for name in names:
+        setattr(dist, name, recording(name))
+    try:
+        inputs, targets = batch(0)
+        loss_fn(model, inputs, targets).backward()
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+    return sorted({str(d) for d in seen}), str(unit_dtypes(torch.float32, torch.bfloat16, None)[1])
+
+
+def test_the_reduce_dtype_of_reduce_dtype_none_is_this_torchs_fsdp2_rule():
+    """fp32 parameters under param_dtype=bf16 and reduce_dtype None: FSDP2 reduces in bf16
+    up to torch 2.14 and in fp32 from 2.15; the engine reduces the dedicated gradients as
+    FSDP2 reduces its own (unit_dtypes)."""
+    for seen, engine in run_distributed(reduce_dtype_worker, 2):
+        assert seen == [engine]
+        assert engine == str(torch.float32 if fsdp.REDUCES_IN_PARAM_DTYPE else torch.bfloat16)
+
+
+def reset_worker(rank, world):
+    from tests.support.workers import inject_backward_failure
+
+    model = _sharded_model(world)
+    handle = inject_backward_failure(model.layers[-1])  # the head and norm reduce first
+    inputs, targets = batch(0)
+    try:
+        loss_fn(model, inputs, targets).backward()
+    except RuntimeError as error:
+        assert "injected backward failure" in str(error)
+    handle.remove()
+
+    def unsharded_grads() -> int:
+        return sum(
+            getattr(p, "_unsharded_param", None) is not None and p._unsharded_param.grad is not None
+            for m in model.modules()
+            if isinstance(m, FSDPModule)
+            for g in fsdp.param_groups(m)
+            for p in g.fsdp_params
+        )
+
+    kept = unsharded_grads()
+    model.reset_iter_state()  # FSDP2's own
+    after_fsdp = unsharded_grads()
+    fsdp.reset_fsdp_state(model)  # the engine's
+    return kept, after_fsdp, unsharded_grads()
+
+
+def test_reset_iter_state_keeps_or_drops_the_unsharded_grads_by_this_torchs_rule():
+    """A backward that raised in the last block, after the root's norm and head computed
+    their gradients: FSDP2's reset_iter_state keeps those unsharded gradients up to torch
+    2.14 and drops them from 2.15 (RESET_CLEARS_GRADS); after the engine's reset none is
+    left on either."""
+    for kept, after_fsdp, after_engine in run_distributed(reset_worker, 2):
+        assert kept > 0
+        assert (after_fsdp == 0) is fsdp.RESET_CLEARS_GRADS
+        assert after_engine == 0

@@ -30,6 +30,8 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.fsdp._fully_shard import _fsdp_init
 
 __all__ = [
+    "REDUCES_IN_PARAM_DTYPE",
+    "RESET_CLEARS_GRADS",
     "dedicated_names",
     "innermost_fsdp",
     "mark_dedicated",
@@ -39,6 +41,20 @@ __all__ = [
     "top_fsdp_modules",
     "unmark_dedicated",
 ]
+
+
+_TORCH = torch.torch_version.TorchVersion(torch.__version__)
+
+# FSDP2's rules that changed with torch 2.15 (each followed where the engine encodes it,
+# and tested in tests/engine/test_torch_versions.py against the torch that runs it):
+REDUCES_IN_PARAM_DTYPE = _TORCH >= "2.15"
+"""``MixedPrecisionPolicy(reduce_dtype=None)`` reduces in the parameters' own dtype (their
+gradients' accumulation dtype: fp32 for fp32 parameters under ``param_dtype=bf16``); up
+to 2.14 it reduced in ``param_dtype``, the dtype gradients are computed in."""
+
+RESET_CLEARS_GRADS = _TORCH >= "2.15"
+"""``FSDPModule.reset_iter_state`` drops the sharded and unsharded gradients of the pass
+it resets; 2.13 and 2.14 keep the unsharded ones (:func:`reset_fsdp_state` drops them)."""
 
 
 def top_fsdp_modules(model: nn.Module) -> list[nn.Module]:
@@ -80,11 +96,12 @@ def reset_fsdp_state(model: nn.Module) -> None:
                 "or use torch >= 2.13 to go on after a failed pass"
             )
         module.reset_iter_state()
-        _drop_unsharded_grads(module)
+        if not RESET_CLEARS_GRADS:
+            _drop_unsharded_grads(module)
 
 
 def _drop_unsharded_grads(root: FSDPModule) -> None:
-    """FSDP2's ``reset_iter_state`` (torch 2.13) keeps the unsharded gradients that
+    """FSDP2's ``reset_iter_state`` (torch 2.13, 2.14) keeps the unsharded gradients that
     parameter groups whose reduce-scatter never ran had accumulated (the root's norm and
     output head, when backward fails in a block); the next backward would add to them."""
     for module in root.modules():

@@ -316,11 +316,15 @@ def _fsdp_traffic(
         if not isinstance(module, FSDPModule):
             continue
         state = fully_shard.state(module)
+        # The module's policy (torch 2.15's groups keep none of their own).
+        policy = state._mp_policy
         for group in fsdp.param_groups(module):
             info = group.mesh_info
             padded = sum(p.padded_sharded_param_size.numel() for p in group.fsdp_params)
-            gather_dtype = group.mp_policy.param_dtype or group.fsdp_params[0].sharded_param.dtype
-            reduce_dtype = group.mp_policy.reduce_dtype or gather_dtype
+            master = group.fsdp_params[0].sharded_param.dtype
+            gather_dtype, reduce_dtype = unit_dtypes(
+                master, policy.param_dtype, policy.reduce_dtype
+            )
             for param, _ in dedicated_under.pop(name, {}).values():
                 padded += _padded_shard_numel(param.shape, info.shard_mesh_size)
             regather = group.post_forward_mesh_info is not None and not (
@@ -332,8 +336,8 @@ def _fsdp_traffic(
     for name, params in dedicated_under.items():
         module = model.get_submodule(name)
         policy = fully_shard.state(module)._mp_policy
-        gather_dtype = policy.param_dtype or next(iter(params.values()))[0].dtype
-        reduce_dtype = policy.reduce_dtype or gather_dtype
+        master = next(iter(params.values()))[0].dtype
+        gather_dtype, reduce_dtype = unit_dtypes(master, policy.param_dtype, policy.reduce_dtype)
         by_shard_size: Counter = Counter()
         for param, shard_size in params.values():
             by_shard_size[shard_size] += _padded_shard_numel(param.shape, shard_size)

@@ -29,6 +29,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from torchtitan_dmuon.engine import fsdp
 from torchtitan_dmuon.engine.comm import flagged_grad_bucket
 from torchtitan_dmuon.engine.param_layout import ParamLayout, local_tensor
 from torchtitan_dmuon.engine.plan import DedicatedParam, UnitPlan
@@ -41,10 +42,12 @@ def unit_dtypes(
 ) -> tuple[torch.dtype, torch.dtype]:
     """``(values, reduce)`` dtypes of a unit of ``master``-dtype parameters under an FSDP2
     ``MixedPrecisionPolicy``: its buffers (what forward uses, what is broadcast) in
-    ``param_dtype``, its gradients reduced in ``reduce_dtype`` (FSDP2's default: the
-    compute dtype); None: no such policy entry."""
+    ``param_dtype``, its gradients reduced in ``reduce_dtype``, by FSDP2's default where
+    that is None (torch 2.15: the parameters' own dtype; up to 2.14: the compute dtype,
+    :data:`~torchtitan_dmuon.engine.fsdp.REDUCES_IN_PARAM_DTYPE`); None: no such policy
+    entry."""
     values = param_dtype or master
-    return values, reduce_dtype or values
+    return values, reduce_dtype or (master if fsdp.REDUCES_IN_PARAM_DTYPE else values)
 
 
 def freed_tensor(shape, dtype: torch.dtype, device) -> torch.Tensor:
