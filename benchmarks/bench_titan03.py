@@ -7,9 +7,10 @@ Nesterov, weight decay 0.1, Newton-Schulz in bf16; AdamW lr 3e-3 on the rest, fo
 both sides) and ranks (FSDP2 Z3 on gloo), each side through TorchTitan's ``torchtitan.train``
 (DistMuon as the Kimi recipe configures it: every matrix ``Owned``, one bucket per layer).
 Each run is a fresh ``torchrun``; the two sides take turns, ``--rounds`` times. Per rank
-and step it records the step's wall time, the optimizer step's (``optimizers.step()``),
-the bytes of every collective the rank entered (their input tensors; FSDP2's, the
-engine's, DistMuon's all-to-alls), and at the end its peak resident memory; the table
+and step it records the step's wall time, forward and backward's, the optimizer step's
+(``optimizers.step()``), the bytes the rank received in collectives (FSDP2's, the
+engine's, DistMuon's all-to-alls: at the least, whatever the algorithm: ``_received``),
+and at the end its peak resident memory; the table
 takes the slowest rank of each step, the median over steps after ``--warmup``, the median
 over rounds.
 
@@ -44,19 +45,43 @@ import torch.distributed as dist
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
-# Each collective a step may enter, and the argument holding what a rank sends into it
-# (FSDP2 of torch 2.14 gathers and reduce-scatters through the *_single names).
+# Each collective a step may enter, and the argument holding its payload (FSDP2 of torch
+# 2.14 gathers and reduce-scatters through the *_single names).
 COLLECTIVES = {
     "all_gather_single": "input_tensor",
     "all_gather_into_tensor": "input_tensor",
     "reduce_scatter_single": "input",
     "reduce_scatter_tensor": "input",
-    "all_to_all_single": "input",
+    "all_to_all_single": "output",
     "all_reduce": "tensor",
     "broadcast": "tensor",
     "reduce": "tensor",
     "all_gather": "tensor",
 }
+
+
+def _received(name: str, arguments: dict, payload: torch.Tensor) -> int:
+    """The bytes a rank must receive at the least in one collective of ``world`` ranks,
+    whatever its algorithm: an all-gather the others' ``world - 1`` inputs, a
+    reduce-scatter the others' parts of its output, an all-reduce both, an all-to-all the
+    ``(world - 1) / world`` of its output the others send, a broadcast the tensor on the
+    ranks but the root, a reduce the tensor (of partial sums) on the root."""
+    group = arguments.get("group")
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    size = payload.numel() * payload.element_size()
+    if name.startswith("all_gather"):
+        return size * (world - 1)
+    if name.startswith("reduce_scatter") or name == "all_to_all_single":
+        return size * (world - 1) // world
+    if name == "all_reduce":
+        return 2 * size * (world - 1) // world
+    root = arguments.get("group_src" if name == "broadcast" else "group_dst")
+    if root is None:
+        root = arguments.get("src" if name == "broadcast" else "dst", 0)
+        root = dist.get_group_rank(group, root) if group is not None else root
+    return size if (me == root) == (name == "reduce") else 0
+
+
 MUON = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.1, ns_steps=5)
 ADAMW = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
 
@@ -210,20 +235,30 @@ class _Timing:
             original = getattr(dist, name)
             signature = inspect.signature(original)
 
-            def counted(*args, _original=original, _signature=signature, _sent=sent, **kwargs):
-                tensor = _signature.bind(*args, **kwargs).arguments[_sent]
-                self._bytes += tensor.numel() * tensor.element_size()
+            def counted(
+                *args, _name=name, _original=original, _signature=signature, _sent=sent, **kwargs
+            ):
+                arguments = _signature.bind(*args, **kwargs).arguments
+                self._bytes += _received(_name, arguments, arguments[_sent])
                 return _original(*args, **kwargs)
 
             setattr(dist, name, counted)
 
+    def forward_backward_step(self, **kwargs):
+        start = time.perf_counter()
+        result = super().forward_backward_step(**kwargs)
+        self._forward_backward_seconds += time.perf_counter() - start
+        return result
+
     def train_step(self, data_iterator):
         self._bytes, start = 0, time.perf_counter()
+        self._forward_backward_seconds = 0.0
         result = super().train_step(data_iterator)
         self._rows.append(
             dict(
                 step=self.step,
                 step_ms=1e3 * (time.perf_counter() - start),
+                forward_backward_ms=1e3 * self._forward_backward_seconds,
                 optimizer_ms=1e3 * self._optimizer_seconds,
                 bytes=self._bytes,
             )
@@ -358,6 +393,7 @@ def _summary(run: dict, warmup: int) -> dict:
 
     return {
         "step_ms": slowest("step_ms"),
+        "forward_backward_ms": slowest("forward_backward_ms"),
         "optimizer_ms": slowest("optimizer_ms"),
         "bytes_per_rank": statistics.median(
             statistics.mean(r["steps"][s - 1]["bytes"] for r in ranks) for s in steps
@@ -396,13 +432,17 @@ def main() -> None:
                 results["runs"][f"{side}@{nproc}"].append(_summary(run, args.warmup))
     (args.out / "bench_titan03.json").write_text(json.dumps(results, indent=2))
     print(f"{results['machine']}, commit {results['commit']}")
-    print("| ranks | side | step ms | optimizer ms | MiB a rank a step | peak RSS GiB | losses |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print(
+        "| ranks | side | step ms | forward + backward ms | optimizer ms "
+        "| MiB received a rank a step | peak RSS GiB | last losses |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for key, rounds in results["runs"].items():
         side, nproc = key.split("@")
         median = {k: statistics.median(r[k] for r in rounds) for k in rounds[0] if k != "losses"}
         print(
-            f"| {nproc} | {side} | {median['step_ms']:.1f} | {median['optimizer_ms']:.1f} | "
+            f"| {nproc} | {side} | {median['step_ms']:.1f} | {median['forward_backward_ms']:.1f} | "
+            f"{median['optimizer_ms']:.1f} | "
             f"{median['bytes_per_rank'] / 2**20:.2f} | {median['peak_rss_gib']:.2f} | "
             f"{' '.join(rounds[0]['losses'][-3:])} |"
         )
