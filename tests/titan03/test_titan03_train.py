@@ -7,23 +7,20 @@ reference replays them."""
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from torchtitan.components.loss import IGNORE_INDEX
 
-from tests.support.launcher import free_port
+from tests.support.titan03_recording import train_recorded
 from tests.support.workers import reference_setup
 from torchtitan_dmuon.optim.fused_rows import fused_rows_of
 from torchtitan_dmuon.titan03.config_registry import llama3_debug_cpu
 from torchtitan_dmuon.titan03.cpu import sdpa_attention
 from torchtitan_dmuon.titan03.parallelize import mark_fused_qkv
 
-ROOT = Path(__file__).resolve().parents[2]
 STEPS = 5
 # Newton-Schulz in fp32 on both sides (the reference's through reference_setup): bf16
 # would round the ranks' and the reference's gradients (summed in another order) apart.
@@ -31,17 +28,7 @@ NS = ["--dmuon.ns_dtype", "float32", "--dmuon.ns_backend", "torch"]
 
 
 def _train(tmp_path: Path, ngpu: int, *flags: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop("TRITON_INTERPRET", None)
-    command = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ngpu}",
-        "--rdzv_backend", "c10d", "--rdzv_endpoint", f"localhost:{free_port()}",
-        "--local-ranks-filter", "0", "-m", "torchtitan.train",
-        "--module", "tests.support.titan03_recording", "--config", "recording_debug_cpu",
-        "--record_to", str(tmp_path), "--dump_folder", str(tmp_path / "dump"),
-        "--training.steps", str(STEPS), "--metrics.log_freq", "1", *NS, *flags,
-    ]  # fmt: skip
-    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    return train_recorded(tmp_path, ngpu, "--training.steps", str(STEPS), *NS, *flags)
 
 
 def _replay(record: Path, ranks: int) -> tuple[dict[int, float], dict[str, torch.Tensor]]:

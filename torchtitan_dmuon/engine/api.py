@@ -39,6 +39,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from torchtitan_dmuon.engine import comm
+from torchtitan_dmuon.engine.checkpoint_geometry import register_state_dict_hooks
 from torchtitan_dmuon.engine.comm import all_gather_rows, mesh_device
 from torchtitan_dmuon.engine.dedication import (
     Dedication,
@@ -276,6 +277,8 @@ def dedicate_params(
     else:
         plan = build(group_size=owner_group_size or 1)
     dedication = Dedication(model, plan, settings, mesh, replicate_mesh, tp_mesh, expert_mesh)
+    handles = register_state_dict_hooks(dedication)
+    dedication.on_remove(lambda: [handle.remove() for handle in handles])
     logger.info(
         "dedicate_params: %d parameters (%d matrices), %d boundaries, %d units over "
         "%d x %d ranks, NS balance %.3f, %s, owner groups of %d",

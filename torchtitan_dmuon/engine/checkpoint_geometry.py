@@ -6,7 +6,14 @@ each (:func:`piece_shards`): per piece the layout knows its own shards
 (``ParamLayout.piece_shards``); this adds the owners' global ranks, known once
 ``verify_plan`` (``Muon``'s constructor) gathered them. The TorchTitan layer's DCP
 wrappers (``titan/checkpoint.py``) and any other checkpointer use these; no TorchTitan
-here."""
+here.
+
+:func:`register_state_dict_hooks` makes the model's own ``state_dict`` and
+``load_state_dict`` follow the same rule, through ``nn.Module``'s public hooks on each
+module holding a dedicated matrix: a checkpointer that reads ``model.state_dict()`` (and
+the model's own state-dict hooks, such as a fused projection's split into its
+matrices) then saves each dedicated matrix once, from its primary owner, whatever the
+topology."""
 
 from __future__ import annotations
 
@@ -16,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
+from torch.utils.hooks import RemovableHandle
 
 from torchtitan_dmuon.engine import comm
 from torchtitan_dmuon.engine.dedication import Dedication
@@ -23,7 +31,13 @@ from torchtitan_dmuon.engine.param_layout import PieceShard
 from torchtitan_dmuon.engine.plan import DedicatedParam
 from torchtitan_dmuon.optim.normuon import second_moment_shape
 
-__all__ = ["as_saved", "load_into", "load_state_into", "piece_shards"]
+__all__ = [
+    "as_saved",
+    "load_into",
+    "load_state_into",
+    "piece_shards",
+    "register_state_dict_hooks",
+]
 
 
 def piece_shards(dedication: Dedication, name: str) -> list[PieceShard]:
@@ -126,3 +140,82 @@ def load_into(target: torch.Tensor, loaded: torch.Tensor) -> None:
         target = target.to_local()
     if loaded.untyped_storage().data_ptr() != target.untyped_storage().data_ptr():
         target.copy_(loaded)
+
+
+def register_state_dict_hooks(dedication: Dedication) -> list[RemovableHandle]:
+    """Make ``dedication.model``'s ``state_dict`` hold each dedicated matrix once, on its
+    primary owner, and its ``load_state_dict`` load it there (returns the hooks' handles).
+
+    On each module holding a dedicated matrix (whose ``state_dict`` runs before its
+    parent's hooks, which may rename or split the entry):
+
+    * saving: the primary owner's entry becomes :func:`as_saved` of its full-precision
+      master (a whole matrix: the master itself, which DCP loads into in place); every
+      other rank's entry is removed (a freed or stale copy of compute values);
+    * loading: an entry present is taken out of the module's own load (which would copy
+      it into the compute values, freed between uses) and, on the primary owner, copied
+      into the master; a matrix a rank does not own is not reported missing.
+
+    After a load, the model's post-hook recomputes the compute values from the masters
+    (under HSDP, and sends them to the other replicas): a collective, as every rank runs
+    ``load_state_dict`` alike. Before a split stack's pieces are read the model binds
+    them (``lazy_init``, a collective too, as in any ``state_dict``).
+    """
+    hooks = _StateDictHooks(dedication)
+    model = dedication.model
+    handles = []
+    for path, params in hooks.by_module.items():
+        module = model.get_submodule(path)
+        handles.append(module.register_state_dict_post_hook(functools.partial(hooks.save, params)))
+        handles.append(
+            module.register_load_state_dict_pre_hook(functools.partial(hooks.load, params))
+        )
+    handles.append(model.register_load_state_dict_post_hook(hooks.loaded))
+    return handles
+
+
+class _StateDictHooks:
+    """:func:`register_state_dict_hooks`'s hooks over one dedication."""
+
+    def __init__(self, dedication: Dedication) -> None:
+        self.dedication = dedication
+        # module path -> (attribute, parameter name) of its dedicated matrices
+        self.by_module: dict[str, list[tuple[str, str]]] = {}
+        for name in dict.fromkeys(d.name for d in dedication.plan.params):
+            path, _, attr = name.rpartition(".")
+            self.by_module.setdefault(path, []).append((attr, name))
+        self.pieces = any(d.layout.is_piece for d in dedication.plan.params)
+        # keys of the load under way that are not missing: taken here, or not this rank's
+        self.not_missing: set[str] = set()
+
+    def _owned(self) -> dict[str, tuple[DedicatedParam, torch.Tensor]]:
+        if self.pieces:
+            self.dedication.lazy_init()
+        return {entry.name: (entry, master) for entry, master in self.dedication.primary_params()}
+
+    def save(self, params, module, state_dict, prefix, local_metadata) -> None:
+        owned = self._owned()
+        for attr, name in params:
+            key = prefix + attr
+            if key not in state_dict:
+                continue
+            if name in owned:
+                state_dict[key] = as_saved(self.dedication, *owned[name])
+            else:
+                del state_dict[key]
+
+    def load(self, params, module, state_dict, prefix, *unused) -> None:
+        owned = self._owned()
+        for attr, name in params:
+            key = prefix + attr
+            taken = state_dict.pop(key, None)
+            if taken is not None and name in owned:
+                load_into(owned[name][1], taken)
+            if taken is not None or name not in owned:
+                self.not_missing.add(key)
+
+    def loaded(self, model, incompatible_keys) -> None:
+        missing = incompatible_keys.missing_keys
+        missing[:] = [key for key in missing if key not in self.not_missing]
+        self.not_missing.clear()
+        self.dedication.refresh_from_masters()

@@ -8,14 +8,13 @@ checkpoint in a shared folder.
 
 TorchTitan's ``ModelWrapper`` caches ``get_model_state_dict`` once, at construction. With
 DMuon that would hold stale tensors (the engine re-binds parameters into flat buffers at
-the first forward) and every rank's copy of each dedicated matrix, most of them freed. This
-wrapper recomputes the state dict on each call: FSDP parameters as TorchTitan gives them
-(DTensors, resharded by DCP on load), and each dedicated matrix only on its primary owner,
-as one whole full-precision tensor under its parameter name. A stack split among owners
-(MoE experts) is saved under its name too, as a ``ShardedTensor`` whose shards are the
-owners' pieces (each expert once). Save and load use the same rule, so a checkpoint does
-not depend on the topology that wrote it: DCP reads each new owner's matrix or piece from
-whatever the old topology wrote, and the engine distributes it.
+the first forward). This wrapper recomputes the state dict on each call. What it holds is
+the model's own: FSDP parameters as TorchTitan gives them (DTensors, resharded by DCP on
+load), and each dedicated matrix only on its primary owner, as one whole full-precision
+tensor under its parameter name (a stack split among owners, MoE experts, as a
+``ShardedTensor`` whose shards are the owners' pieces): the engine's state-dict hooks
+(``register_state_dict_hooks``, ``engine/checkpoint_geometry.py``) make it so, on save
+and load alike, so a checkpoint does not depend on the topology that wrote it.
 """
 
 from __future__ import annotations
@@ -42,10 +41,7 @@ import torchtitan_dmuon.titan.checked  # noqa: F401 - before TorchTitan: refuses
 from torchtitan.components.checkpoint import OPTIMIZER, ModelWrapper
 from torchtitan.components.lr_scheduler import LRSchedulersContainer
 
-from torchtitan_dmuon.engine import get_dedication
-from torchtitan_dmuon.engine.checkpoint_geometry import as_saved, load_into
 from torchtitan_dmuon.optim.muon import SECOND_MOMENT
-from torchtitan_dmuon.titan.parallelize import clean_fqn
 
 logger = logging.getLogger(__name__)
 
@@ -56,50 +52,18 @@ __all__ = [
 ]
 
 
-def _dedicated(model: nn.Module):
-    """``(fqns of all dedicated matrices, {fqn: (saved, local)} of those this rank owns)``:
-    ``saved`` is what the checkpoint holds, ``local`` the master it stands for."""
-    dedication = get_dedication(model)
-    if dedication is None:  # one data-parallel rank: every value is here, in place
-        return set(), {}
-    if any(d.layout.is_piece for d in dedication.plan.params):
-        # A piece is no whole parameter: kept apart since the start at the plan's size, or
-        # a column block, no contiguous view of its parameter (which DCP needs). Read and
-        # load the bound buffers (a collective, as every state_dict).
-        dedication.lazy_init()
-    fqns = {id(p): clean_fqn(n) for n, p in model.named_parameters()}
-    every = {clean_fqn(d.name) for unit in dedication.units for d in unit.params}
-    owned = {
-        fqns[id(entry.param)]: (as_saved(dedication, entry, master), master)
-        for entry, master in dedication.primary_params()
-    }
-    return every, owned
-
-
 class DMuonModelWrapper(ModelWrapper):
-    """``ModelWrapper`` whose state dict holds each dedicated matrix once, on its owner."""
+    """``ModelWrapper`` whose state dict is read anew on each call (see the module)."""
 
     def __init__(self, model: nn.Module | list[nn.Module]) -> None:
         self.model = [model] if isinstance(model, nn.Module) else model
 
     def state_dict(self) -> dict:
-        sd = {}
-        for model in self.model:
-            every, owned = _dedicated(model)
-            part = get_model_state_dict(model)
-            sd.update({k: v for k, v in part.items() if k not in every})
-            sd.update({fqn: saved for fqn, (saved, _) in owned.items()})
-        return sd
+        return {k: v for model in self.model for k, v in get_model_state_dict(model).items()}
 
     def load_state_dict(self, state_dict: dict) -> None:
         for model in self.model:
-            every, owned = _dedicated(model)
-            for fqn, (_, master) in owned.items():
-                load_into(master, state_dict[fqn])
-            if get_dedication(model) is not None:
-                get_dedication(model).refresh_from_masters()
-            rest = {k: v for k, v in state_dict.items() if k not in every}
-            set_model_state_dict(model, rest, options=StateDictOptions(strict=False))
+            set_model_state_dict(model, state_dict, options=StateDictOptions(strict=False))
 
 
 class LRSchedulersWrapper(Stateful):

@@ -11,8 +11,10 @@ TorchTitan's own entry point. The trainer, before TorchTitan's ``__init__``:
 and after it clips gradients with DMuon's norm (correct over dedicated and FSDP
 parameters; TorchTitan's clipping function is reached through its module, replaced
 through the :class:`~torchtitan_dmuon.titan.patches.PatchRegistry` that ``close()`` undoes)
-and logs the recipe. Not taken yet, refused by name before any collective: QK-clip
-(``--dmuon.qk_clip_threshold``) and DCP checkpoints (``--checkpoint.enable``).
+and logs the recipe. 0.3's own checkpointer saves and loads it unchanged (the model's
+state-dict hooks that ``parallelize.py`` registers hold each dedicated matrix on its
+owner). Not taken yet, refused by name before any collective: QK-clip
+(``--dmuon.qk_clip_threshold``).
 """
 
 from __future__ import annotations
@@ -112,12 +114,6 @@ def _refuse_unsupported(config) -> None:
         raise ValueError(
             "--dmuon.qk_clip_threshold > 0: QK-clip on TorchTitan 0.3 (its fused QKV rows) is "
             "not built yet; train without it, or with TorchTitan 0.2.2's adapter"
-        )
-    if config.checkpoint.enable:
-        raise ValueError(
-            "--checkpoint.enable: DCP checkpoints of DMuon on TorchTitan 0.3 (owner-held "
-            "matrices in 0.3's checkpointer) are not built yet; leave checkpointing off, or "
-            "train with TorchTitan 0.2.2's adapter, whose checkpoints are topology-independent"
         )
 
 
