@@ -159,7 +159,8 @@ def register_state_dict_hooks(dedication: Dedication) -> list[RemovableHandle]:
     After a load, the model's post-hook recomputes the compute values from the masters
     (under HSDP, and sends them to the other replicas): a collective, as every rank runs
     ``load_state_dict`` alike. Before a split stack's pieces are read the model binds
-    them (``lazy_init``, a collective too, as in any ``state_dict``).
+    them (``lazy_init``, a collective too, as in any ``state_dict``). Under a dry run's fake
+    backend the masters are left as they are (no owner's global rank is known there).
     """
     hooks = _StateDictHooks(dedication)
     model = dedication.model
@@ -185,6 +186,10 @@ class _StateDictHooks:
             path, _, attr = name.rpartition(".")
             self.by_module.setdefault(path, []).append((attr, name))
         self.pieces = any(d.layout.is_piece for d in dedication.plan.params)
+        # A dry run's fake backend gathers no owners' global ranks (a split stack's saved
+        # form names them) and writes no checkpoint: its state dict holds the masters as
+        # they are.
+        self.dry_run = comm.is_fake(dedication.exchange.shard_group)
         # keys of the load under way that are not missing: taken here, or not this rank's
         self.not_missing: set[str] = set()
 
@@ -200,7 +205,9 @@ class _StateDictHooks:
             if key not in state_dict:
                 continue
             if name in owned:
-                state_dict[key] = as_saved(self.dedication, *owned[name])
+                entry, master = owned[name]
+                saved = master if self.dry_run else as_saved(self.dedication, entry, master)
+                state_dict[key] = saved
             else:
                 del state_dict[key]
 
