@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import fnmatch
+import importlib
 import types
 
 import pytest
@@ -19,7 +21,11 @@ from torchtitan.models.llama3.parallelize import parallelize_llama
 from torchtitan_dmuon.optim.fused_rows import FusedRows, fused_rows_of
 from torchtitan_dmuon.titan.config import DMuon
 from torchtitan_dmuon.titan03.optimizer import DMuonOptimizersContainer
-from torchtitan_dmuon.titan03.parallelize import mark_fused_qkv, with_dedication
+from torchtitan_dmuon.titan03.parallelize import (
+    default_selection,
+    mark_fused_qkv,
+    with_dedication,
+)
 from torchtitan_dmuon.titan03.trainer import DMuonTrainer, with_dmuon
 
 
@@ -137,3 +143,40 @@ def test_the_trainer_refuses_what_it_does_not_take_before_distributed_starts():
     with pytest.raises(ValueError, match="--dmuon.qk_clip_threshold"):
         DMuonTrainer(config)
     assert not torch.distributed.is_initialized()
+
+
+def _meta_model(module: str, function: str) -> torch.nn.Module:
+    registry = importlib.import_module(f"torchtitan.models.{module}.config_registry")
+    with torch.device("meta"):
+        return getattr(registry, function)().model_spec.model.build()
+
+
+@pytest.mark.parametrize(
+    ("module", "function"),
+    [("qwen3", "qwen3_moe_debug"), ("deepseek_v3", "deepseek_v3_debugmodel_mtp")],
+)
+def test_moe_models_select_what_a_muon_user_would(module, function):
+    """The default selection of 0.3's MoE models: every matrix of the blocks (and of
+    deepseek_v3's multi-token-prediction layers) and the routed experts' stacks, not the
+    router (AdamW's, as in 0.2.2's selections); the MoE and expert modules are hook
+    boundaries."""
+    model = _meta_model(module, function)
+    selection = default_selection(model)
+    names = [n for n, _ in model.named_parameters()]
+    chosen = {n for n in names if any(fnmatch.fnmatchcase(n, p) for p in selection.params)}
+    assert not [n for n in chosen if ".router." in n]
+    stacks = {n for n, p in model.named_parameters() if p.ndim == 3}
+    assert stacks and stacks <= chosen
+    assert {n for n, p in model.named_parameters() if p.ndim == 1}.isdisjoint(chosen)
+    assert "tok_embeddings.weight" not in chosen and "lm_head.weight" not in chosen
+    assert selection.hook_boundaries[0] == "layers.*.moe"
+    assert "layers.*.moe.routed_experts.inner_experts" in selection.hook_boundaries
+    if function.endswith("_mtp"):
+        assert "mtp_layers.0.eh_proj.weight" in chosen
+
+
+def test_a_dense_model_selects_the_linear_weights_of_its_blocks():
+    model = _meta_model("llama3", "llama3_debugmodel")
+    selection = default_selection(model)
+    assert selection.hook_boundaries == ()
+    assert "layers.*.attention.qkv_linear.wqkv.weight" in selection.params

@@ -1,17 +1,19 @@
 """Dedicate right before TorchTitan 0.3's FSDP, on the data-parallel axes found by name.
 
-Every 0.3 decoder (llama3, qwen3, deepseek_v3, ...) applies FSDP through
+Every 0.3 decoder (llama3, qwen3, ...) applies FSDP through
 ``apply_fsdp_to_decoder(model, dp_mesh, ..., dp_mesh_dims=...)`` imported into its
-parallelize module. :func:`with_dedication` wraps a model spec's ``parallelize_fn`` so
-that, for the call, that name dedicates the selected matrices first and then applies
-TorchTitan's FSDP, which skips them. The mesh it receives is, under the default
-``spmd_types`` backend, the multi-axis storage mesh (``dp_replicate, dp_shard, cp, tp``)
-with ``DataParallelMeshDims`` naming the data-parallel axes: DMuon's shard mesh is the
-``shard`` axis (``dp_shard``, flattened with ``cp`` under context parallelism), its
-replicate mesh the ``replicate`` axis (HSDP); under ``partial_dtensor`` the names are
-0.2.2's (``fsdp``, ``dp_replicate``). Fused QKV projections (``FusedQKVLinear``, 0.3's
-default) are marked, so each of their query, key and value matrices gets its own
-Newton-Schulz (``optim/fused_rows.py``).
+parallelize module (deepseek_v3 through ``apply_fsdp_to_mtp_decoder``, which adds its
+multi-token-prediction layers to the blocks for it). :func:`with_dedication` wraps a model
+spec's ``parallelize_fn`` so that, for the call, that name dedicates the selected matrices
+first and then applies TorchTitan's FSDP, which skips them. The mesh it receives is,
+under the default ``spmd_types`` backend, the multi-axis storage mesh (``dp_replicate,
+dp_shard, cp, tp``) with ``DataParallelMeshDims`` naming the data-parallel axes: DMuon's
+shard mesh is the ``shard`` axis (``dp_shard``, flattened with ``cp`` under context
+parallelism), its replicate mesh the ``replicate`` axis (HSDP); under ``partial_dtensor``
+the names are 0.2.2's (``fsdp``, ``dp_replicate``). Fused QKV projections
+(``FusedQKVLinear``, 0.3's default) are marked, so each of their query, key and value
+matrices gets its own Newton-Schulz (``optim/fused_rows.py``). What DMuon takes by
+default: :func:`default_selection`.
 
 What this step of the adapter does not take yet is refused by name before any collective:
 tensor and pipeline parallelism, expert parallelism, CUDA graphs (their captured replay
@@ -20,31 +22,37 @@ would skip the hooks' Python: ``--training.disable_cuda_graphs``).
 
 from __future__ import annotations
 
-import contextlib
+import fnmatch
 import functools
 import inspect
 import logging
+import sys
 import types
 from collections.abc import Callable
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torchtitan.models.common.attention import FusedQKVLinear
+from torchtitan.models.common.moe import GroupedExperts, MoE, TokenChoiceTopKRouter
 
+from torchtitan_dmuon.engine import get_dedication
 from torchtitan_dmuon.optim.fused_rows import FusedRows, mark_fused_rows
-from torchtitan_dmuon.titan.config import DMuon
+from torchtitan_dmuon.titan.config import DMuon, ModelSelection
 from torchtitan_dmuon.titan.parallelize import (
     clean_fqn,
     dedicate_part,
     keep_settings,
+    linear_selection,
     resolve_selection,
 )
+from torchtitan_dmuon.titan.patches import PatchRegistry
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["data_parallel_meshes", "mark_fused_qkv", "with_dedication"]
 
-_HOOKED = "apply_fsdp_to_decoder"
+_HOOKED = ("apply_fsdp_to_decoder", "apply_fsdp_to_mtp_decoder")
+"""The names through which 0.3's parallelize functions apply FSDP."""
 
 
 def data_parallel_meshes(
@@ -67,6 +75,39 @@ def data_parallel_meshes(
         shard = dp_mesh[tuple(shard_axes)]._flatten("_".join(shard_axes))
     replicate = dp_mesh[dp_mesh_dims.replicate] if dp_mesh_dims.replicate else None
     return shard, replicate
+
+
+def _pattern(name: str) -> str:
+    """``name`` with each block index a wildcard (``layers.*.moe``)."""
+    return ".".join("*" if part.isdigit() else part for part in clean_fqn(name).split("."))
+
+
+def default_selection(model: nn.Module) -> ModelSelection:
+    """What DMuon takes of a 0.3 model when ``[dmuon] params`` is empty: the 2-D weights of
+    the ``nn.Linear`` layers inside its blocks but a MoE router's (a router stays on AdamW,
+    as 0.2.2's model selections keep it) and its routed experts' stacks
+    (``GroupedExperts``: each expert its own matrix, the stacks split among owners); with
+    experts, the hook boundaries are each MoE module and its experts' module, as 0.2.2's
+    MoE models have them."""
+    modules = dict(model.named_modules())
+    routers = [
+        clean_fqn(f"{name}.{weight}")
+        for name, module in modules.items()
+        if isinstance(module, TokenChoiceTopKRouter)
+        for weight, _ in module.named_parameters()
+    ]
+    params = [
+        pattern
+        for pattern in linear_selection(model)
+        if not any(fnmatch.fnmatchcase(router, pattern) for router in routers)
+    ]
+    experts = [n for n, m in modules.items() if isinstance(m, GroupedExperts)]
+    stacks = [f"{n}.{w}" for n in experts for w, p in modules[n].named_parameters() if p.ndim == 3]
+    boundaries = [n for n, m in modules.items() if isinstance(m, MoE)] + experts
+    return ModelSelection(
+        tuple(dict.fromkeys(params + [_pattern(n) for n in stacks])),
+        tuple(dict.fromkeys(_pattern(n) for n in boundaries)),
+    )
 
 
 def mark_fused_qkv(model: nn.Module) -> list[str]:
@@ -111,49 +152,58 @@ def with_dedication(
     parallelize_fn: Callable, settings: DMuon, model_name: str, flavor: str = ""
 ) -> Callable:
     """``parallelize_fn`` (a 0.3 model spec's) with DMuon's dedication right before its
-    ``apply_fsdp_to_decoder``, with ``settings`` (``params`` empty: the 2-D weights of the
-    ``nn.Linear`` layers inside the model's blocks).
+    FSDP, with ``settings`` (``params`` empty: :func:`default_selection`). The names in
+    ``_HOOKED`` that its module holds (each of 0.3's parallelize functions applies FSDP
+    through one of them: ``apply_fsdp_to_mtp_decoder`` adds deepseek_v3's
+    multi-token-prediction layers to the blocks for ``apply_fsdp_to_decoder``) dedicate
+    first, once, for the call.
 
     Raises:
-        ValueError: the function's module has no ``apply_fsdp_to_decoder`` (naming it), or
-            it never called it with several data-parallel ranks; a refused setting (see the
-            module's docstring). On every rank alike, before any collective.
+        ValueError: the function's module holds none of those names (naming it); a
+            refused setting (see the module's docstring). On every rank alike, before any
+            collective.
     """
     target = inspect.unwrap(parallelize_fn)
-    namespace = getattr(target, "__globals__", {})
+    module = sys.modules.get(getattr(target, "__module__", ""))
+    hooked = [name for name in _HOOKED if hasattr(module, name)]
 
     @functools.wraps(parallelize_fn)
     def parallelize(model: nn.Module, *, parallel_dims, training, **kwargs):
         _refuse_unsupported(parallel_dims, training)
-        if _HOOKED not in namespace:
+        if not hooked:
             raise ValueError(
                 f"DMuon cannot train {model_name}: its parallelize function "
                 f"{target.__module__}.{target.__qualname__} does not apply FSDP through "
-                f"{_HOOKED}, the name DMuon hooks to dedicate right before FSDP"
+                f"{' or '.join(_HOOKED)}, the names DMuon hooks to dedicate right before FSDP"
             )
         fused = mark_fused_qkv(model)
         job = types.SimpleNamespace(
             dmuon=settings, model=types.SimpleNamespace(name=model_name, flavor=flavor)
         )
-        resolved = resolve_selection(model, job, selections={})
+        own = {model_name: default_selection(model)}
+        resolved = resolve_selection(model, job, selections=own)
         if fused:
             logger.info(
                 "dmuon: %d fused QKV projections, each matrix its own Newton-Schulz", len(fused)
             )
-        original = namespace[_HOOKED]
 
-        def apply_fsdp_to_decoder(model_, dp_mesh, *args, dp_mesh_dims=None, **fsdp_kwargs):
-            shard_mesh, replicate_mesh = data_parallel_meshes(dp_mesh, dp_mesh_dims)
-            if shard_mesh is None:
-                keep_settings(model_, resolved)
-            else:
-                z3 = _reshard_after_forward(resolved, fsdp_kwargs, parallel_dims)
-                dedicate_part(model_, shard_mesh, replicate_mesh, resolved, z3)
-            return original(model_, dp_mesh, *args, dp_mesh_dims=dp_mesh_dims, **fsdp_kwargs)
+        def dedicating(original: Callable) -> Callable:
+            @functools.wraps(original)
+            def apply_fsdp(model_, dp_mesh, *args, dp_mesh_dims=None, **fsdp_kwargs):
+                shard_mesh, replicate_mesh = data_parallel_meshes(dp_mesh, dp_mesh_dims)
+                if shard_mesh is None:
+                    keep_settings(model_, resolved)
+                elif get_dedication(model_) is None:
+                    z3 = _reshard_after_forward(resolved, fsdp_kwargs, parallel_dims)
+                    dedicate_part(model_, shard_mesh, replicate_mesh, resolved, z3)
+                return original(model_, dp_mesh, *args, dp_mesh_dims=dp_mesh_dims, **fsdp_kwargs)
 
-        with _swapped(namespace, apply_fsdp_to_decoder):
-            model = parallelize_fn(model, parallel_dims=parallel_dims, training=training, **kwargs)
-        return model
+            return apply_fsdp
+
+        with PatchRegistry() as patches:
+            for name in hooked:
+                patches.setattr(module, name, dedicating(getattr(module, name)))
+            return parallelize_fn(model, parallel_dims=parallel_dims, training=training, **kwargs)
 
     return parallelize
 
@@ -164,13 +214,3 @@ def _reshard_after_forward(settings: DMuon, fsdp_kwargs: dict, parallel_dims) ->
         return settings.reshard_after_forward
     policy = fsdp_kwargs.get("reshard_after_forward_policy", "default")
     return policy == "always" or (policy == "default" and not parallel_dims.pp_enabled)
-
-
-@contextlib.contextmanager
-def _swapped(namespace: dict, replacement: Callable):
-    original = namespace[_HOOKED]
-    namespace[_HOOKED] = replacement
-    try:
-        yield
-    finally:
-        namespace[_HOOKED] = original

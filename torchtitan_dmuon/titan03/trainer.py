@@ -11,9 +11,9 @@ TorchTitan's own entry point. The trainer, before TorchTitan's ``__init__``:
 and after it clips gradients with DMuon's norm (correct over dedicated and FSDP
 parameters; TorchTitan's clipping function is reached through its module, replaced
 through the :class:`~torchtitan_dmuon.titan.patches.PatchRegistry` that ``close()`` undoes)
-and logs the recipe. 0.3's own checkpointer saves and loads it unchanged (the model's
-state-dict hooks that ``parallelize.py`` registers hold each dedicated matrix on its
-owner). Not taken yet, refused by name before any collective: QK-clip
+and logs the recipe. 0.3's DCP checkpointer saves and loads it with the model's state read
+anew at each save (``checkpoint.py``; the engine's state-dict hooks hold each dedicated
+matrix on its owner). Not taken yet, refused by name before any collective: QK-clip
 (``--dmuon.qk_clip_threshold``).
 """
 
@@ -32,6 +32,7 @@ from torchtitan_dmuon.engine import comm, get_dedication
 from torchtitan_dmuon.titan.config import DMuon
 from torchtitan_dmuon.titan.container import log_recipe
 from torchtitan_dmuon.titan.patches import PatchRegistry
+from torchtitan_dmuon.titan03.checkpoint import with_model_state
 from torchtitan_dmuon.titan03.cpu import enable_cpu_support
 from torchtitan_dmuon.titan03.optimizer import DMuonOptimizersContainer
 from torchtitan_dmuon.titan03.parallelize import with_dedication
@@ -59,6 +60,7 @@ class DMuonTrainer(Trainer):
         self.patches = PatchRegistry()
         try:
             _refuse_unsupported(config)
+            config.checkpoint = with_model_state(config.checkpoint)
             enable_cpu_support(self.patches, config)
             spec = config.model_spec
             config.model_spec = dataclasses.replace(
