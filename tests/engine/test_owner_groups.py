@@ -15,6 +15,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -42,7 +47,6 @@ from torchtitan_dmuon.engine.plan import (
     plan_with_groups,
 )
 from torchtitan_dmuon.optim.newton_schulz import ns_flops, split_ns_flops
-from torchtitan_dmuon.titan.checkpoint import DMuonModelWrapper
 from torchtitan_dmuon.titan.config import MODEL_SELECTIONS
 
 STEPS = 4
@@ -212,15 +216,14 @@ def _checkpoint_worker(rank, world, path, group_size, save):
     if save:
         for step in range(2):
             _step(model, opt, step, rank, world)
-    wrapper = DMuonModelWrapper(model)
-    state = wrapper.state_dict()
+    state = get_model_state_dict(model)
     dedicated = saved_optimizer_state(dedication, opt)
     state.update({key: saved for key, (_, _, saved) in dedicated.items()})
     if save:
         dcp.save(state, checkpoint_id=path)
     else:
         dcp.load(state, checkpoint_id=path)
-        wrapper.load_state_dict(state)
+        set_model_state_dict(model, state, options=StateDictOptions(strict=False))
         for key, (entry, name, _) in dedicated.items():
             target = opt.state[entry.param][name]
             load_state_into(dedication, entry, target, state[key], name == "second_moment")

@@ -106,17 +106,24 @@ def recording_debug_cpu() -> RecordingTrainer.Config:
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def train_recorded(record_to: Path, ngpu: int, *flags: str) -> subprocess.CompletedProcess:
-    """``recording_debug_cpu`` through 0.3's ``torchtitan.train`` on ``ngpu`` gloo processes,
-    recording into ``record_to`` (its dump folder ``record_to/dump``)."""
+def run_titan03(ngpu: int, module: str, config: str, *flags: str) -> subprocess.CompletedProcess:
+    """0.3's ``torchtitan.train --module module --config config`` on ``ngpu`` gloo
+    processes, rank 0's output captured."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("TRITON_INTERPRET", None)
     command = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ngpu}",
         "--rdzv_backend", "c10d", "--rdzv_endpoint", f"localhost:{free_port()}",
         "--local-ranks-filter", "0", "-m", "torchtitan.train",
-        "--module", "tests.support.titan03_recording", "--config", "recording_debug_cpu",
-        "--record_to", str(record_to), "--dump_folder", str(record_to / "dump"),
-        "--metrics.log_freq", "1", *flags,
+        "--module", module, "--config", config, "--metrics.log_freq", "1", *flags,
     ]  # fmt: skip
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def train_recorded(record_to: Path, ngpu: int, *flags: str) -> subprocess.CompletedProcess:
+    """``recording_debug_cpu`` through 0.3's ``torchtitan.train`` on ``ngpu`` gloo processes,
+    recording into ``record_to`` (its dump folder ``record_to/dump``)."""
+    return run_titan03(
+        ngpu, "tests.support.titan03_recording", "recording_debug_cpu",
+        "--record_to", str(record_to), "--dump_folder", str(record_to / "dump"), *flags,
+    )  # fmt: skip

@@ -31,9 +31,9 @@ from tests.titan.test_titan_integration import (
 )
 from torchtitan_dmuon.optim import ns_choice
 from torchtitan_dmuon.titan import register
-from torchtitan_dmuon.titan.checkpoint import DMuonModelWrapper
 from torchtitan_dmuon.titan.config import DEFAULT_PARAM_PATTERNS
 from torchtitan_dmuon.titan.cpu import enable_cpu_support
+from torchtitan_dmuon.titan.model_state import ModelState
 from torchtitan_dmuon.titan.patches import PatchRegistry
 
 CONFIG_MODULE = ["--job.custom_config_module", "torchtitan_dmuon.titan.config"]
@@ -172,7 +172,7 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 def _snapshot(model, optimizers) -> dict[str, torch.Tensor]:
     """This rank's copy of the model state (dedicated matrices on their owner) and of the
     optimizer state (momentum, AdamW moments and steps), as local tensors."""
-    state = {f"model.{k}": v for k, v in DMuonModelWrapper([model]).state_dict().items()}
+    state = {f"model.{k}": v for k, v in ModelState([model]).state_dict().items()}
     state.update({k: v for k, v in optimizers.state_dict().items() if k.startswith("state.")})
     return {k: _local(v).detach().clone() for k, v in state.items()}
 

@@ -6,30 +6,19 @@ ranks; a checkpoint of the split stacks (each piece saved by its owner) resumes 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-from tests.support.launcher import free_port
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.titan03_recording import run_titan03
 
 
 def _train(dump: Path, *flags: str) -> tuple[str, dict[int, float]]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop("TRITON_INTERPRET", None)
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-        "--rdzv_backend", "c10d", "--rdzv_endpoint", f"localhost:{free_port()}",
-        "--local-ranks-filter", "0", "-m", "torchtitan.train",
-        "--module", "torchtitan_dmuon.titan03", "--config", "deepseek_v3_debugmodel_mtp",
+    run = run_titan03(
+        2, "torchtitan_dmuon.titan03", "deepseek_v3_debugmodel_mtp",
         "--hf_assets_path", "./assets/tokenizer", "--dataloader.dataset_path", "./assets/corpus",
         "--training.seq_len", "64", "--training.local_batch_size", "2", "--training.steps", "3",
-        "--metrics.log_freq", "1", "--metrics.disable_color_printing", "--validator.no-enable",
+        "--metrics.disable_color_printing", "--validator.no-enable",
         "--dmuon.ns_dtype", "float32", "--dump_folder", str(dump), *flags,
-    ]  # fmt: skip
-    run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    )  # fmt: skip
     output = run.stdout + run.stderr
     assert run.returncode == 0, output[-6000:]
     losses = {

@@ -129,10 +129,9 @@ def test_the_package_muon_only_picks_the_matrix_set():
 
 
 TESTS = PACKAGE.parent / "tests"
-# Engine tests that save and load through the adapter's DCP wrapper (DMuonModelWrapper,
-# TorchTitan's ModelWrapper): the checkpoint form itself is the engine's
-# (engine/checkpoint_geometry.py).
-_THROUGH_THE_ADAPTER = {"tests.engine.test_expert_checkpoint", "tests.engine.test_owner_groups"}
+# Engine tests that read the adapter's model selections (MODEL_SELECTIONS) to plan real
+# models' shapes.
+_THROUGH_THE_ADAPTER = {"tests.engine.test_owner_groups"}
 
 
 def test_the_engine_and_optimizer_tests_import_no_torchtitan():

@@ -164,13 +164,19 @@ def register_state_dict_hooks(dedication: Dedication) -> list[RemovableHandle]:
     """
     hooks = _StateDictHooks(dedication)
     model = dedication.model
-    handles = []
+    # The model's own calls read this rank's owned matrices once, before any module's hook.
+    handles = [
+        model.register_state_dict_pre_hook(hooks.begin),
+        model.register_load_state_dict_pre_hook(hooks.begin),
+    ]
     for path, params in hooks.by_module.items():
         module = model.get_submodule(path)
         handles.append(module.register_state_dict_post_hook(functools.partial(hooks.save, params)))
         handles.append(
             module.register_load_state_dict_pre_hook(functools.partial(hooks.load, params))
         )
+    # A partial: torch marks a state-dict post-hook with an attribute, which a method refuses.
+    handles.append(model.register_state_dict_post_hook(functools.partial(hooks.saved)))
     handles.append(model.register_load_state_dict_post_hook(hooks.loaded))
     return handles
 
@@ -192,11 +198,23 @@ class _StateDictHooks:
         self.dry_run = comm.is_fake(dedication.exchange.shard_group)
         # keys of the load under way that are not missing: taken here, or not this rank's
         self.not_missing: set[str] = set()
+        # this rank's owned matrices during the model's own state_dict or load_state_dict
+        self.owned: dict[str, tuple[DedicatedParam, torch.Tensor]] | None = None
 
-    def _owned(self) -> dict[str, tuple[DedicatedParam, torch.Tensor]]:
+    def _read_owned(self) -> dict[str, tuple[DedicatedParam, torch.Tensor]]:
         if self.pieces:
             self.dedication.lazy_init()
         return {entry.name: (entry, master) for entry, master in self.dedication.primary_params()}
+
+    def _owned(self) -> dict[str, tuple[DedicatedParam, torch.Tensor]]:
+        # A submodule's own state_dict call reads them itself.
+        return self.owned if self.owned is not None else self._read_owned()
+
+    def begin(self, *unused) -> None:
+        self.owned = self._read_owned()
+
+    def saved(self, *unused) -> None:
+        self.owned = None
 
     def save(self, params, module, state_dict, prefix, local_metadata) -> None:
         owned = self._owned()
@@ -225,4 +243,5 @@ class _StateDictHooks:
         missing = incompatible_keys.missing_keys
         missing[:] = [key for key in missing if key not in self.not_missing]
         self.not_missing.clear()
+        self.owned = None
         self.dedication.refresh_from_masters()

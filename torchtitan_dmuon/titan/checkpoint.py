@@ -1,20 +1,11 @@
-"""Model and LR-scheduler state for TorchTitan's CheckpointManager.
+"""LR-scheduler and optimizer state for TorchTitan 0.2.2's CheckpointManager.
 
-:class:`DMuonModelWrapper` saves the dedicated matrices once; :class:`LRSchedulersWrapper`
-lets a run resume from a checkpoint of the other optimizer (AdamW <-> DMuon);
-:func:`optimizer_state_to_load` lets NorMuon resume a checkpoint written without it;
-:func:`claim_checkpoint_folder` keeps a run from resuming, by accident, the other optimizer's
-checkpoint in a shared folder.
-
-TorchTitan's ``ModelWrapper`` caches ``get_model_state_dict`` once, at construction. With
-DMuon that would hold stale tensors (the engine re-binds parameters into flat buffers at
-the first forward). This wrapper recomputes the state dict on each call. What it holds is
-the model's own: FSDP parameters as TorchTitan gives them (DTensors, resharded by DCP on
-load), and each dedicated matrix only on its primary owner, as one whole full-precision
-tensor under its parameter name (a stack split among owners, MoE experts, as a
-``ShardedTensor`` whose shards are the owners' pieces): the engine's state-dict hooks
-(``register_state_dict_hooks``, ``engine/checkpoint_geometry.py``) make it so, on save
-and load alike, so a checkpoint does not depend on the topology that wrote it.
+:class:`LRSchedulersWrapper` lets a run resume from a checkpoint of the other optimizer
+(AdamW <-> DMuon); :func:`optimizer_state_to_load` lets NorMuon resume a checkpoint written
+without it; :func:`claim_checkpoint_folder` keeps a run from resuming, by accident, the other
+optimizer's checkpoint in a shared folder. The model's state is
+:class:`~torchtitan_dmuon.titan.model_state.ModelState` (each dedicated matrix once, read
+anew at each call), which both TorchTitan adapters use.
 """
 
 from __future__ import annotations
@@ -25,20 +16,14 @@ import re
 from pathlib import Path
 from typing import Any
 
-from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    set_model_state_dict,
-)
 from torch.distributed.checkpoint.stateful import Stateful
 
 import torchtitan_dmuon.titan.checked  # noqa: F401 - before TorchTitan: refuses another release
 
 # isort: split
 
-from torchtitan.components.checkpoint import OPTIMIZER, ModelWrapper
+from torchtitan.components.checkpoint import OPTIMIZER
 from torchtitan.components.lr_scheduler import LRSchedulersContainer
 
 from torchtitan_dmuon.optim.muon import SECOND_MOMENT
@@ -46,24 +31,9 @@ from torchtitan_dmuon.optim.muon import SECOND_MOMENT
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "DMuonModelWrapper",
     "LRSchedulersWrapper",
     "optimizer_state_to_load",
 ]
-
-
-class DMuonModelWrapper(ModelWrapper):
-    """``ModelWrapper`` whose state dict is read anew on each call (see the module)."""
-
-    def __init__(self, model: nn.Module | list[nn.Module]) -> None:
-        self.model = [model] if isinstance(model, nn.Module) else model
-
-    def state_dict(self) -> dict:
-        return {k: v for model in self.model for k, v in get_model_state_dict(model).items()}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        for model in self.model:
-            set_model_state_dict(model, state_dict, options=StateDictOptions(strict=False))
 
 
 class LRSchedulersWrapper(Stateful):

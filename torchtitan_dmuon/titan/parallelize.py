@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "DMUON",
+    "block_pattern",
     "clean_fqn",
     "dedicate_part",
     "dmuon_settings",
@@ -113,6 +114,12 @@ def _glob_literal(text: str) -> str:
     return re.sub(r"([*?[])", r"[\1]", text)
 
 
+def block_pattern(name: str) -> str:
+    """``name`` as an fnmatch pattern with each block index a wildcard (``layers.*.moe``),
+    its other parts literal."""
+    return ".".join("*" if p.isdigit() else _glob_literal(p) for p in clean_fqn(name).split("."))
+
+
 def linear_selection(model: nn.Module) -> list[str]:
     """The default selection of a model without one of its own (not in
     ``MODEL_SELECTIONS``): the 2-D weights of the ``nn.Linear`` layers inside its blocks
@@ -133,8 +140,7 @@ def linear_selection(model: nn.Module) -> list[str]:
     chosen, others = set(names), [clean_fqn(n) for n, _ in model.named_parameters()]
     patterns: list[str] = []
     for name in names:
-        parts = name.split(".")
-        pattern = ".".join("*" if part.isdigit() else _glob_literal(part) for part in parts)
+        pattern = block_pattern(name)
         if any(fnmatch.fnmatchcase(n, pattern) for n in others if n not in chosen):
             pattern = _glob_literal(name)
         if pattern not in patterns:

@@ -46,13 +46,13 @@ from torchtitan_dmuon.engine import comm, get_dedication
 from torchtitan_dmuon.engine.report import plan_report
 from torchtitan_dmuon.titan import train_spec
 from torchtitan_dmuon.titan.checkpoint import (
-    DMuonModelWrapper,
     LRSchedulersWrapper,
     claim_checkpoint_folder,
     optimizer_state_to_load,
 )
 from torchtitan_dmuon.titan.container import log_recipe
 from torchtitan_dmuon.titan.cpu import enable_cpu_support
+from torchtitan_dmuon.titan.model_state import ModelState
 from torchtitan_dmuon.titan.parallelize import DMUON
 from torchtitan_dmuon.titan.patches import PatchRegistry
 from torchtitan_dmuon.titan.plan_report import step_counts
@@ -116,7 +116,7 @@ class DMuonTrainer(Trainer):
                     index,
                     plan_report(part, counts).line(rank),
                 )
-        self.checkpointer.states[MODEL] = DMuonModelWrapper(self.model_parts)
+        self.checkpointer.states[MODEL] = ModelState(self.model_parts)
         dcp_load = self.checkpointer.dcp_load
 
         def dcp_load_normuon_from_muon(state_dict, checkpoint_id, from_hf, from_quantized):

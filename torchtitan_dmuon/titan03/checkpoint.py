@@ -7,8 +7,8 @@ caches the state dict and, at each save, compares the storage of every new value
 the cached one's, which a ``ShardedTensor`` does not support (its ``untyped_storage``
 raises). :class:`DMuonCheckpointManager` is 0.3's ``CheckpointManager`` (its config
 subclassed, as 0.3 builds a manager from its config's class) whose model state is
-:class:`ModelState`: the same state dict, not cached. ``DMuonTrainer`` gives it to any
-config whose checkpointer is 0.3's ``CheckpointManager``.
+``ModelState`` (``titan/model_state.py``): the same state dict, not cached.
+``DMuonTrainer`` gives it to any config whose checkpointer is 0.3's ``CheckpointManager``.
 """
 
 from __future__ import annotations
@@ -17,29 +17,16 @@ import dataclasses
 from dataclasses import dataclass
 
 from torch import nn
-from torchtitan.components.checkpoint import MODEL, CheckpointManager, ModelWrapper
+from torchtitan.components.checkpoint import MODEL, CheckpointManager
 
-__all__ = ["DMuonCheckpointManager", "ModelState", "with_model_state"]
+from torchtitan_dmuon.titan.model_state import ModelState
 
-
-class ModelState(ModelWrapper):
-    """0.3's ``ModelWrapper`` without its cache: each call reads the model parts' own
-    state dicts (a dedicated matrix's entry is its owner's master; DCP loads into it)."""
-
-    def __init__(self, model: nn.Module | list[nn.Module]) -> None:
-        self.model = [model] if isinstance(model, nn.Module) else model
-
-    def state_dict(self) -> dict:
-        return {k: v for model in self.model for k, v in model.state_dict().items()}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        for model in self.model:
-            # The flattened checkpoint mixes the model's keys with the other states'.
-            model.load_state_dict(state_dict, strict=False)
+__all__ = ["DMuonCheckpointManager", "with_model_state"]
 
 
 class DMuonCheckpointManager(CheckpointManager):
-    """0.3's ``CheckpointManager`` whose model state is :class:`ModelState`."""
+    """0.3's ``CheckpointManager`` whose model state is ``ModelState`` (the modules' own
+    state dicts, read anew at each call)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(CheckpointManager.Config):
@@ -48,7 +35,7 @@ class DMuonCheckpointManager(CheckpointManager):
     def __init__(self, config: Config, *, model_parts: list[nn.Module], **kwargs) -> None:
         super().__init__(config, model_parts=model_parts, **kwargs)
         if self.enable:
-            self.states[MODEL] = ModelState(model_parts)
+            self.states[MODEL] = ModelState(model_parts, module_keys=True)
 
 
 def with_model_state(checkpoint):

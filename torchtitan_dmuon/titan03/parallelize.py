@@ -39,6 +39,7 @@ from torchtitan_dmuon.engine import get_dedication
 from torchtitan_dmuon.optim.fused_rows import FusedRows, mark_fused_rows
 from torchtitan_dmuon.titan.config import DMuon, ModelSelection
 from torchtitan_dmuon.titan.parallelize import (
+    block_pattern,
     clean_fqn,
     dedicate_part,
     keep_settings,
@@ -77,11 +78,6 @@ def data_parallel_meshes(
     return shard, replicate
 
 
-def _pattern(name: str) -> str:
-    """``name`` with each block index a wildcard (``layers.*.moe``)."""
-    return ".".join("*" if part.isdigit() else part for part in clean_fqn(name).split("."))
-
-
 def default_selection(model: nn.Module) -> ModelSelection:
     """What DMuon takes of a 0.3 model when ``[dmuon] params`` is empty: the 2-D weights of
     the ``nn.Linear`` layers inside its blocks but a MoE router's (a router stays on AdamW,
@@ -105,8 +101,8 @@ def default_selection(model: nn.Module) -> ModelSelection:
     stacks = [f"{n}.{w}" for n in experts for w, p in modules[n].named_parameters() if p.ndim == 3]
     boundaries = [n for n, m in modules.items() if isinstance(m, MoE)] + experts
     return ModelSelection(
-        tuple(dict.fromkeys(params + [_pattern(n) for n in stacks])),
-        tuple(dict.fromkeys(_pattern(n) for n in boundaries)),
+        tuple(dict.fromkeys(params + [block_pattern(n) for n in stacks])),
+        tuple(dict.fromkeys(block_pattern(n) for n in boundaries)),
     )
 
 
