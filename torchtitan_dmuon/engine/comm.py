@@ -180,16 +180,28 @@ def broadcast(
     return dist.broadcast(tensor, group=group, group_src=group_src, async_op=True)
 
 
+# The values a dry run's receiver draws; the rest of a buffer repeats them (a draw per
+# element costs minutes a step at 70B, where every forward receives the whole model).
+FAKE_RECEIVE_DRAWS = 1 << 16
+
+
 def _fake_receive(tensor: torch.Tensor) -> None:
     """What a dry run's receiver holds: a fake broadcast moves nothing, and the engine's
     receive buffers are uninitialized (NaNs or garbage would steer the forward, e.g. a
     MoE router's choices, differently from run to run). Weights of an initialization's
-    scale, the same in every run."""
-    generator = torch.Generator(tensor.device).manual_seed(tensor.numel())
-    if tensor.is_floating_point():
-        tensor.normal_(0.0, 0.02, generator=generator)
-    else:
+    scale, the same in every run: ``FAKE_RECEIVE_DRAWS`` normal draws, copied over the
+    rest of the buffer in doubling blocks (memory speed, not a generator's)."""
+    if not tensor.is_floating_point():
         tensor.zero_()
+        return
+    flat = tensor.view(-1)  # the engine's flat buffers
+    generator = torch.Generator(tensor.device).manual_seed(flat.numel())
+    filled = min(flat.numel(), FAKE_RECEIVE_DRAWS)
+    flat[:filled].normal_(0.0, 0.02, generator=generator)
+    while filled < flat.numel():
+        size = min(filled, flat.numel() - filled)
+        flat[filled : filled + size].copy_(flat[:size])
+        filled += size
 
 
 def reduce_sum(
@@ -338,11 +350,17 @@ def flagged_grad_bucket(
     a bucket of the same size on every rank, whatever gradients each rank computed, so
     that a gradient no rank computed can be told from one whose sum is zero."""
     total = sum(numels)
-    bucket = torch.zeros(total + len(grads), dtype=dtype, device=device)
+    # Each element written once: the gradients copied, only the rest zeroed.
+    bucket = torch.empty(total + len(grads), dtype=dtype, device=device)
+    bucket[total:].zero_()
     offset = 0
     for i, (grad, numel) in enumerate(zip(grads, numels, strict=True)):
+        end = offset
         if grad is not None:
-            bucket[offset : offset + grad.numel()].copy_(grad.reshape(-1))
+            end += grad.numel()
+            bucket[offset:end].copy_(grad.reshape(-1))
             bucket[total + i] = 1
+        if end < offset + numel:
+            bucket[end : offset + numel].zero_()
         offset += numel
     return bucket

@@ -20,6 +20,13 @@ what binding reads). :func:`materialize` runs both.
 One scratch at a time means an initialization must finish with a matrix before it turns
 to the next (every model's ``init_weights`` does); one that comes back to an earlier
 matrix raises on every rank alike, naming both, since its values could be lost.
+
+Under a dry run's fake backend (one process standing for every rank, nothing communicated)
+no rank reads what it does not hold, so the initialization of those matrices runs on the
+meta device: no draw, no memory, and the start costs what the rank holds, not the whole
+model (minutes at 70B on a CPU). The generator then skips their draws, so what the rank
+keeps is initialized, but not to the values a full initialization would give; a real run
+draws every matrix, as above.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
+from torchtitan_dmuon.engine import comm
 from torchtitan_dmuon.engine.dedication import Dedication, dedication_of, piece_key
 from torchtitan_dmuon.engine.param_layout import like_param, local_tensor
 from torchtitan_dmuon.engine.plan import DedicatedParam
@@ -116,7 +124,7 @@ class _ScratchMode(TorchFunctionMode):
 
     Every dedicated parameter is followed (held or not: the order of the model's
     initialization is the same on every rank), so returning to a matrix after another
-    raises everywhere alike.
+    raises everywhere alike. The scratch of a matrix in ``on_meta`` is on the meta device.
     """
 
     def __init__(
@@ -125,12 +133,14 @@ class _ScratchMode(TorchFunctionMode):
         dedicated: dict[int, str],
         device,
         finished: Callable[[str, torch.Tensor], None],
+        on_meta: set[str],
     ):
         super().__init__()
         self.finished = finished
         self._unheld = {id(p) for p in unheld.values()}
         self._dedicated = dedicated
         self._device = device
+        self._on_meta = on_meta
         self._current: str | None = None
         self._finished: set[str] = set()
         self._param: torch.Tensor | None = None
@@ -153,8 +163,9 @@ class _ScratchMode(TorchFunctionMode):
         self._param = self._scratch = None  # the previous matrix's scratch goes now
         if id(tensor) in self._unheld:
             self._param = tensor
+            device = "meta" if name in self._on_meta else self._device
             self._scratch = like_param(
-                torch.empty(local_tensor(tensor).shape, dtype=tensor.dtype, device=self._device),
+                torch.empty(local_tensor(tensor).shape, dtype=tensor.dtype, device=device),
                 tensor,
             )
 
@@ -203,7 +214,11 @@ def initializing(model: nn.Module) -> Iterator[None]:
             piece = d.layout.select(local_tensor(scratch))
             dedication.start_pieces[piece_key(d)] = piece.clone()
 
-    mode = _ScratchMode(unheld, dedicated, device, keep_pieces)
+    # A dry run initializes on the meta device what no rank here reads (see the module).
+    dry_run = comm.is_fake(dedication.exchange.shard_group)
+    with_pieces = {d.name for u in dedication.units if u.holds for d in u.params}
+    on_meta = set(unheld) - with_pieces if dry_run else set()
+    mode = _ScratchMode(unheld, dedicated, device, keep_pieces, on_meta)
     with mode:
         yield
     mode.finish()
