@@ -13,12 +13,22 @@ line), and DMuon's plan line (owner groups, NS balance) and plan report (held by
 max and mean over ranks). Results accumulate in ``docs/figures/dry_run/results.json``
 (one entry per case and optimizer, with the machine and commit); the markdown table in
 docs/scaling.md is printed from it.
+
+    .venv/bin/python benchmarks/bench_dry_run.py --model-start   # a real run's start, modeled
+
+A real run (not a dry run) draws every dedicated matrix on every rank, on a scratch, so
+that what a rank keeps equals a full initialization's values (``engine/meta_init.py``).
+``--model-start`` counts those elements for llama3 70B and 405B (DMuon's default
+selection) and models the time on an H100: the bytes TorchTitan's initialization moves
+per fp32 element (``trunc_normal_``, torch 2.13-2.14: ``normal_``, then two comparisons,
+their ``or`` and an ``any`` over the result, unfused) at the HBM's data-sheet bandwidth.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import fnmatch
 import json
 import os
 import re
@@ -58,6 +68,11 @@ CASES = {
     ),  # fmt: skip
 }
 OPTIMIZERS = ("DMuon", "AdamW")
+# A real run's start (--model-start): bytes per fp32 element of trunc_normal_'s unfused
+# kernels (normal_ writes 4; two comparisons read 4 and write 1 each; their or reads 2 and
+# writes 1; any reads 1) and H100 SXM's HBM3 bandwidth (data sheet).
+INIT_BYTES_PER_ELEMENT = 4 + 2 * (4 + 1) + (2 + 1) + 1
+HBM_BYTES_PER_S = 3.35e12
 _STAMP = r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})"
 
 
@@ -138,12 +153,42 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def model_start() -> None:
+    """Print the dedicated elements every rank draws at a real run's start, and their
+    modeled time on an H100 (see the module)."""
+    from bench_moe_balance import build_meta_model
+
+    from torchtitan_dmuon.titan.config import MODEL_SELECTIONS
+
+    patterns = MODEL_SELECTIONS["llama3"].params
+    print("| llama3 | dedicated matrices | elements | largest matrix (scratch) | modeled s |")
+    print("| --- | --- | --- | --- | --- |")
+    for flavor in ("70B", "405B"):
+        model = build_meta_model("llama3", flavor)
+        matrices = [
+            p
+            for n, p in model.named_parameters()
+            if any(fnmatch.fnmatchcase(n, pattern) for pattern in patterns)
+        ]
+        elements = sum(p.numel() for p in matrices)
+        largest = max(p.numel() for p in matrices) * 4 / 2**30
+        seconds = elements * INIT_BYTES_PER_ELEMENT / HBM_BYTES_PER_S
+        print(
+            f"| {flavor} | {len(matrices)} | {elements / 1e9:.1f}e9 | {largest:.2f} GiB fp32 "
+            f"| {seconds:.2f} |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--case", choices=sorted(CASES), action="append", default=[])
     parser.add_argument("--optimizer", choices=OPTIMIZERS, action="append")
     parser.add_argument("--table", action="store_true", help="print the table and exit")
+    parser.add_argument("--model-start", action="store_true", help="model a real run's start")
     args = parser.parse_args()
+    if args.model_start:
+        model_start()
+        return
     results = json.loads(RESULTS.read_text()) if RESULTS.exists() else []
     for name in args.case:
         for optimizer in args.optimizer or OPTIMIZERS:
