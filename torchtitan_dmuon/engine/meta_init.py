@@ -51,10 +51,16 @@ __all__ = ["initializing", "materialize", "split_names", "to_empty", "unheld_nam
 logger = logging.getLogger(__name__)
 
 
+def _held_names(dedication: Dedication) -> set[str]:
+    """The dedicated parameters of which this rank holds something (a unit of theirs is in
+    its column): whole, or pieces of them."""
+    return {d.name for u in dedication.units if u.holds for d in u.params}
+
+
 def unheld_names(dedication: Dedication) -> list[str]:
     """The dedicated parameters of which this rank holds nothing between steps (no unit of
     theirs is in its column): it never reads their values, only gathers them."""
-    held = {d.name for u in dedication.units if u.holds for d in u.params}
+    held = _held_names(dedication)
     names = dict.fromkeys(d.name for d in dedication.plan.params)  # a split stack's once
     return [name for name in names if name not in held]
 
@@ -216,8 +222,8 @@ def initializing(model: nn.Module) -> Iterator[None]:
 
     # A dry run initializes on the meta device what no rank here reads (see the module).
     dry_run = comm.is_fake(dedication.exchange.shard_group)
-    with_pieces = {d.name for u in dedication.units if u.holds for d in u.params}
-    on_meta = set(unheld) - with_pieces if dry_run else set()
+    held_names = _held_names(dedication)
+    on_meta = set(unheld) - held_names if dry_run else set()
     mode = _ScratchMode(unheld, dedicated, device, keep_pieces, on_meta)
     with mode:
         yield
@@ -236,7 +242,6 @@ def initializing(model: nn.Module) -> Iterator[None]:
     dedication.awaiting_init = None
     dedication.bind_params()
     sizes = {d.name: local_tensor(d.param).nbytes for d in dedication.plan.params}
-    held_names = {d.name for u in dedication.units if u.holds for d in u.params}
     held = sum(size for name, size in sizes.items() if name not in unheld)
     held += sum(piece.nbytes for piece in dedication.start_pieces.values())
     logger.info(
