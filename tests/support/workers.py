@@ -33,7 +33,7 @@ from torchtitan_dmuon import (
 )
 from torchtitan_dmuon.engine.checkpoint_geometry import as_saved
 from torchtitan_dmuon.engine.report import StepCounts, plan_report
-from torchtitan_dmuon.engine.unit import Unit
+from torchtitan_dmuon.engine.unit import Unit, held_bytes
 from torchtitan_dmuon.optim.newton_schulz import newton_schulz, resolve_ns_schedule
 from torchtitan_dmuon.optim.normuon import second_moment_shape
 
@@ -289,7 +289,7 @@ def train_dmuon(
             for k in range(len(dedication.plan.domains))
         ],
         "memory": live_held_bytes(dedication, opt),
-        "held_bytes": dedication.held_bytes(),
+        "held_bytes": held_bytes(dedication.plan, dedication.boundary_units),
         "misaligned": misaligned_views(dedication, opt),
         "snapshot": snapshot,
         "events": events,

@@ -35,13 +35,11 @@ from torchtitan_dmuon.engine.param_layout import (
 )
 from torchtitan_dmuon.engine.plan import (
     DedicatedParam,
-    HeldDtypes,
     Plan,
     UnitPlan,
-    max_over_mean,
 )
 from torchtitan_dmuon.engine.reduce import BackwardReduce
-from torchtitan_dmuon.engine.unit import Unit, bind_boundary
+from torchtitan_dmuon.engine.unit import Unit, bind_boundary, held_bytes
 
 __all__ = [
     "Dedication",
@@ -257,7 +255,8 @@ class Dedication:
         for boundary, units in zip(self.plan.boundaries, self.boundary_units, strict=True):
             dtypes = fsdp.mixed_precision_of(self.model, boundary.name)
             bind_boundary(units, *dtypes, self._start_value)
-        self._log_balance()
+        for line in self.plan.summary(held_bytes(self.plan, self.boundary_units)):
+            logger.info(line)
         names = {d.name for d in self.plan.params}
         self.others = OtherParams(
             self.model,
@@ -377,54 +376,6 @@ class Dedication:
         """The layout of a dedicated parameter (of its pieces: they share the split dim
         and the per-TP-rank-ness), else None."""
         return self._layouts.get(id(param))
-
-    def balance(self, domain: int | None = None) -> float:
-        """Max over mean NS load over all data-parallel ranks (1.0 is perfect), of one
-        domain's matrices or of all."""
-        return self.plan.balance(domain)
-
-    def held_bytes(self) -> list[int]:
-        """Bytes each rank (slot order) keeps between steps for dedicated matrices
-        (values, masters and momentum), from the plan and each boundary's dtypes as its
-        units bound them (once initialized)."""
-        dtypes = {
-            boundary.name: HeldDtypes(
-                values=units[0].buffers[0].dtype, master=units[0].master_dtype
-            )
-            for boundary, units in zip(self.plan.boundaries, self.boundary_units, strict=True)
-        }
-        return self.plan.held_bytes(lambda boundary: dtypes[boundary.name])
-
-    def _log_balance(self) -> None:
-        held = self.held_bytes()
-        pieces = [d for d in self.plan.params if d.layout.experts is not None]  # stacks'
-        grouped = {d.name for d in self.plan.params if d.layout.block is not None}
-        loads = self.plan.ns_loads()
-        logger.info(
-            "dmuon: per-rank Newton-Schulz cost max/mean %.3f, held dedicated bytes "
-            "(values + masters + momentum) max/mean %.3f (max %.1f MiB), %d stacks split "
-            "into %d pieces, %d matrices owned by groups of %d, %d of %d ranks run no "
-            "Newton-Schulz",
-            self.balance(),
-            max_over_mean(held),
-            max(held) / 2**20,
-            len({d.name for d in pieces}),
-            len(pieces),
-            len(grouped),
-            self.plan.group_size,
-            sum(load == 0 for load in loads),
-            len(loads),
-        )
-        if self.plan.expert_parallel:
-            layout = self.plan.domains[1]
-            logger.info(
-                "dmuon: expert parallelism: local experts dedicated over %d x %d ranks "
-                "(replicate x efsdp), dense matrices over %d x %d; per-rank Newton-Schulz "
-                "cost max/mean: experts %.3f, dense %.3f, together %.3f",
-                layout.replicate_size, layout.shard_size,
-                self.plan.replicate_size, self.plan.shard_size,
-                self.balance(1), self.balance(0), self.balance(),
-            )  # fmt: skip
 
     def on_remove(self, undo) -> None:
         """Call ``undo()`` in :meth:`remove` (what attached to the dedication from outside,

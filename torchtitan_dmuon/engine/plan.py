@@ -578,6 +578,33 @@ class Plan:
         """Each data-parallel rank's total of :meth:`held`."""
         return [sum(kinds.values()) for kinds in self.held(dtypes, normuon=normuon)]
 
+    def summary(self, held: list[int]) -> list[str]:
+        """What a dedication logs of its plan at start: the Newton-Schulz and held-bytes
+        balance (``held``: :meth:`held_bytes` for the dtypes the units bound), the split
+        stacks, the owner groups, the idle ranks and, under expert parallelism, each
+        domain's balance."""
+        pieces = [d for d in self.params if d.layout.experts is not None]  # stacks'
+        grouped = {d.name for d in self.params if d.layout.block is not None}
+        loads = self.ns_loads()
+        lines = [
+            f"dmuon: per-rank Newton-Schulz cost max/mean {self.balance():.3f}, held "
+            f"dedicated bytes (values + masters + momentum) max/mean "
+            f"{max_over_mean(held):.3f} (max {max(held) / 2**20:.1f} MiB), "
+            f"{len({d.name for d in pieces})} stacks split into {len(pieces)} pieces, "
+            f"{len(grouped)} matrices owned by groups of {self.group_size}, "
+            f"{sum(load == 0 for load in loads)} of {len(loads)} ranks run no Newton-Schulz"
+        ]
+        if self.expert_parallel:
+            experts = self.domains[1]
+            lines.append(
+                f"dmuon: expert parallelism: local experts dedicated over "
+                f"{experts.replicate_size} x {experts.shard_size} ranks (replicate x efsdp), "
+                f"dense matrices over {self.replicate_size} x {self.shard_size}; per-rank "
+                f"Newton-Schulz cost max/mean: experts {self.balance(1):.3f}, dense "
+                f"{self.balance(0):.3f}, together {self.balance():.3f}"
+            )
+        return lines
+
 
 @dataclass(frozen=True)
 class HeldDtypes:

@@ -32,7 +32,7 @@ from torch import nn
 from torchtitan_dmuon.engine import fsdp
 from torchtitan_dmuon.engine.comm import flagged_grad_bucket
 from torchtitan_dmuon.engine.param_layout import ParamLayout, local_tensor
-from torchtitan_dmuon.engine.plan import DedicatedParam, UnitPlan
+from torchtitan_dmuon.engine.plan import DedicatedParam, HeldDtypes, Plan, UnitPlan
 
 __all__ = ["RefilledParam", "Unit", "bind_boundary", "freed_tensor", "unit_dtypes"]
 
@@ -284,6 +284,17 @@ class Unit:
 
     def grad_view(self, d: DedicatedParam) -> torch.Tensor:
         return self.view(self.grad, d)
+
+
+def held_bytes(plan: Plan, boundary_units: list[list[Unit]]) -> list[int]:
+    """Bytes each rank (slot order) keeps between steps for the dedicated matrices
+    (values, masters and momentum): the plan's one formula (:meth:`Plan.held_bytes`) for
+    the dtypes each boundary's units bound."""
+    dtypes = {
+        boundary.name: HeldDtypes(values=units[0].buffers[0].dtype, master=units[0].master_dtype)
+        for boundary, units in zip(plan.boundaries, boundary_units, strict=True)
+    }
+    return plan.held_bytes(lambda boundary: dtypes[boundary.name])
 
 
 def bind_boundary(

@@ -234,7 +234,7 @@ class DMuonTrainer(Trainer):
             "dmuon/optimizer_ms": 1e3 * (step_seconds - self._last_step_seconds) / steps,
             "dmuon/reduce_mb": mb("reduce"),
             "dmuon/broadcast_mb": mb("broadcast"),
-            "dmuon/owner_balance": max((d.balance() for d in self.dedications), default=1.0),
+            "dmuon/owner_balance": max((d.plan.balance() for d in self.dedications), default=1.0),
         }
         clips = [
             o.qk_clip
