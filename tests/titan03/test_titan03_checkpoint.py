@@ -1,5 +1,6 @@
 """DCP checkpoints of DMuon through TorchTitan 0.3's own checkpointer: saved by 4 FSDP2
-ranks, loaded by 2 x 2 HSDP (other owners) and by 2 ranks (another world size).
+ranks (asynchronously), loaded by 2 x 2 HSDP (other owners) and by 2 ranks (another world
+size).
 
 What a load gives is exact: every parameter (fused QKV included, which 0.3 saves as its
 ``wq``/``wk``/``wv`` through its own state-dict hooks) and every Muon momentum, merged
@@ -50,11 +51,13 @@ def _assert_equal(actual: dict, expected: dict) -> None:
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> tuple[Path, dict[int, float]]:
-    """4 FSDP2 ranks, 5 steps, a checkpoint at step 3 (and the last)."""
+    """4 FSDP2 ranks, 5 steps, a checkpoint at step 3 (and the last), saved as 0.3's
+    ``async_mode = "async"`` saves (staged, then written by a thread while training goes
+    on; deepseek_v3's resume test saves synchronously)."""
     record = tmp_path_factory.mktemp("saved") / "run"
     losses = _run(
         record, 4, STEPS, "--checkpoint.enable", "--checkpoint.interval", str(SAVED_STEP),
-        "--record_steps", str(SAVED_STEP),
+        "--checkpoint.async_mode", "async", "--record_steps", str(SAVED_STEP),
     )  # fmt: skip
     return record, losses
 

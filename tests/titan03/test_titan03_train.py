@@ -111,8 +111,28 @@ def _replay_here(record: Path, ranks: int) -> tuple[dict[int, float], dict[str, 
     return losses, {n: p.detach() for n, p in model.named_parameters()}
 
 
+# The last step saved as a HuggingFace safetensors file (0.3's state-dict adapter), model only.
+HF_EXPORT = ["--checkpoint.enable", "--checkpoint.interval", str(STEPS + 1),
+             "--checkpoint.last_save_model_only", "--checkpoint.last_save_in_hf"]  # fmt: skip
+
+
+def _hf_export(record: Path) -> dict[str, torch.Tensor]:
+    """The run's HuggingFace export of its last step, read back into the model by 0.3's
+    llama3 state-dict adapter (``from_hf``) and its fused QKV's load hooks."""
+    from safetensors.torch import load_file
+
+    config = llama3_debug_cpu()
+    spec = config.model_spec
+    adapter = spec.state_dict_adapter(spec.model, config.hf_assets_path)
+    (exported,) = (record / "dump" / "checkpoint" / f"step-{STEPS}").glob("model-*.safetensors")
+    sdpa_attention(spec.model)
+    model = spec.model.build()
+    model.load_state_dict(adapter.from_hf(load_file(exported)))
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
 LAYOUTS = {
-    "fsdp": (2, []),
+    "fsdp": (2, HF_EXPORT),
     "hsdp": (4, ["--parallelism.data_parallel_replicate_degree", "2",
                  "--parallelism.data_parallel_shard_degree", "2"]),
 }  # fmt: skip
@@ -121,7 +141,9 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_dmuon_through_torchtitan_0_3_equals_one_process_muon_and_adamw(layout, tmp_path):
     """FSDP2 Z3 over 2 ranks, HSDP 2 x 2 (the storage mesh's dp_replicate and dp_shard
-    axes): every parameter and loss as the reference's after 5 steps."""
+    axes): every parameter and loss as the reference's after 5 steps. The FSDP run's
+    HuggingFace export of its last step holds its final values exactly (each dedicated
+    matrix written once, from its owner)."""
     ranks, flags = LAYOUTS[layout]
     run = _train(tmp_path, ranks, *flags)
     output = run.stdout + run.stderr
@@ -139,3 +161,8 @@ def test_dmuon_through_torchtitan_0_3_equals_one_process_muon_and_adamw(layout, 
     assert final.keys() == reference.keys()
     for name, value in reference.items():
         torch.testing.assert_close(final[name], value, rtol=1e-5, atol=1e-5, msg=name)
+    if flags == HF_EXPORT:
+        exported = _hf_export(tmp_path)
+        assert exported.keys() == final.keys()
+        for name, value in final.items():
+            torch.testing.assert_close(exported[name], value, rtol=0, atol=0, msg=name)
