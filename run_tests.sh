@@ -15,13 +15,17 @@ source scripts/torchtitan_env.sh # TORCHTITAN_VERSION, VENV
 ./scripts/setup.sh --dev
 PY="$VENV/bin/python"
 "$PY" -m ruff check .
+# The whole suite in two pytest workers, one test file at a time each (a file's tests share
+# their launches: shared_run): a launch's start and its one-process phases leave a core idle.
+WORKERS=(-n 2 --dist loadfile)
 if [[ "$TORCHTITAN_VERSION" == 0.3.0 ]]; then
+  [[ $# -gt 0 ]] || set -- "${WORKERS[@]}"
   exec "$PY" -m pytest tests/titan03 "$@"
 fi
 if [[ $# -gt 0 ]]; then
   exec "$PY" -m pytest tests "$@"
 fi
-"$PY" -m pytest tests
+"$PY" -m pytest tests "${WORKERS[@]}"
 other="$("$PY" -c 'import torch
 from tests.support.ns_verdict import other_verdict
 print(other_verdict(torch.device("cpu")))')"
