@@ -20,7 +20,13 @@ import tempfile
 import pytest
 import torch
 
-from torchtitan_dmuon.titan.version import adapter_for
+# Before anything imports triton (torchtitan_dmuon does): triton.jit decorates triton's own
+# helpers (tl.cdiv, tl.sum, ...) in compiled mode otherwise, and an interpreted kernel
+# calling them fails ("Cannot call @triton.jit'd outside of the scope of a kernel").
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from torchtitan_dmuon.titan.version import adapter_for  # noqa: E402
 
 
 def _adapter() -> str | None:
@@ -44,9 +50,6 @@ if _adapter() == "torchtitan_dmuon.titan03":
     ]
 else:
     collect_ignore = ["titan03"]
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 _SESSION_DIR = tempfile.mkdtemp(prefix="torchtitan-dmuon-tests-")
 atexit.register(shutil.rmtree, _SESSION_DIR, ignore_errors=True)

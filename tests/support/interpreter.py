@@ -23,6 +23,11 @@ def interpreter_unsupported() -> str | None:
 
     if not triton_ns.INTERPRET:
         return None
+    from triton.language import standard
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(standard.cdiv, InterpretedFunction):
+        return "triton was imported before TRITON_INTERPRET=1 was set: its own helpers are compiled"
     try:
         triton_ns.sym_gram(torch.ones(16, 16))
     except Exception as error:  # noqa: BLE001 - the interpreter's own failure
